@@ -1,0 +1,6 @@
+"""The pure chunk index: a radix tree with per-tier LRU, leases and eviction plans."""
+
+from kvstore.index.policy import POLICIES, EvictionPolicy
+from kvstore.index.radix import EvictionPlan, Node, RadixIndex, Step, TierSpec
+
+__all__ = ["POLICIES", "EvictionPlan", "EvictionPolicy", "Node", "RadixIndex", "Step", "TierSpec"]

@@ -1,0 +1,1 @@
+"""Storage tiers behind one interface (``base.Tier``): dram, nvme, hbm."""

@@ -1,0 +1,69 @@
+"""Plain records shared by every layer. No I/O, no third-party imports.
+
+Offers: ``ChunkKey`` (16 raw bytes), ``ChunkRecord`` (what a tier stores),
+``KVStoreError`` and its subclasses, the error types every layer raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KEY_BYTES = 16
+NS_BYTES = 32
+
+ChunkKey = bytes
+
+
+class KVStoreError(Exception):
+    """Base of every error kvstore raises on purpose."""
+
+
+class InvalidArgument(KVStoreError):
+    """The caller's input is malformed (bad key, size, header)."""
+
+
+class PayloadError(InvalidArgument):
+    """A chunk payload failed validation (magic, version, shape, size, checksum)."""
+
+
+class TierFullError(KVStoreError):
+    """A tier cannot admit more bytes; nothing already stored was lost."""
+
+
+class NotFound(KVStoreError):
+    """A lease, key or namespace that the caller named does not exist."""
+
+
+def check_key(key: object, what: str = "key") -> bytes:
+    """Return ``key`` as bytes if it is a 16-byte chunk key, else raise InvalidArgument."""
+    if not isinstance(key, (bytes, bytearray, memoryview)):
+        raise InvalidArgument(f"{what} must be {KEY_BYTES} bytes, got {type(key).__name__}")
+    key = bytes(key)
+    if len(key) != KEY_BYTES:
+        raise InvalidArgument(f"{what} must be {KEY_BYTES} bytes, got {len(key)}")
+    return key
+
+
+def check_ns(ns: object) -> bytes:
+    """Return ``ns`` as bytes if it is a 32-byte namespace digest, else raise InvalidArgument."""
+    if not isinstance(ns, (bytes, bytearray, memoryview)):
+        raise InvalidArgument(f"namespace must be {NS_BYTES} bytes, got {type(ns).__name__}")
+    ns = bytes(ns)
+    if len(ns) != NS_BYTES:
+        raise InvalidArgument(f"namespace must be {NS_BYTES} bytes, got {len(ns)}")
+    return ns
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRecord:
+    """One chunk as a tier stores it.
+
+    ``parent`` is the previous chunk's key (None for the first chunk of a chain)
+    and ``ns`` the namespace digest; the nvme tier keeps both so the index can be
+    rebuilt from disk. ``payload`` is the encoded chunk (header + body).
+    """
+
+    key: ChunkKey
+    parent: ChunkKey | None
+    ns: bytes
+    payload: bytes | bytearray | memoryview

@@ -1,0 +1,115 @@
+"""Chunk payloads: raw is bit-exact, fp8 stays within 3%, malformed input is refused."""
+
+import struct
+
+import pytest
+import torch
+
+from kvstore import codec
+from kvstore.payload import HEADER_BYTES, parse_header, parse_payload
+from kvstore.types import PayloadError
+
+SHAPE = (4, 2, 32, 64)  # layers, kv_heads, tokens, head_dim
+
+
+def kv_with_outliers(dtype=torch.bfloat16, seed=0):
+    """K with a few channels 20x larger (as in real models), V without."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(SHAPE, generator=g)
+    k[..., [3, 17, 42]] *= 20.0
+    v = torch.randn(SHAPE, generator=g)
+    return k.to(dtype), v.to(dtype)
+
+
+def rel_l2(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_raw_round_trip_is_bit_exact(dtype):
+    k, v = kv_with_outliers(dtype)
+    k2, v2 = codec.decode(codec.encode(k, v, "raw"))
+    assert k2.dtype == dtype and torch.equal(k2, k) and torch.equal(v2, v)
+
+
+def test_fp8_error_is_within_three_percent_and_halves_bf16():
+    k, v = kv_with_outliers()
+    raw = codec.encode(k, v, "raw")
+    fp8 = codec.encode(k, v, "fp8")
+    k2, v2 = codec.decode(fp8)
+    assert k2.dtype == torch.bfloat16 and k2.shape == k.shape
+    assert rel_l2(k2, k) <= 0.03
+    assert rel_l2(v2, v) <= 0.03
+    assert len(fp8) < 0.6 * len(raw)
+
+
+def test_fp8_scales_are_per_channel_for_k_and_per_token_for_v():
+    k, v = kv_with_outliers(torch.float32)
+    k_codes, k_scale = codec.quantize_fp8(k, reduce_dim=2)
+    v_codes, v_scale = codec.quantize_fp8(v, reduce_dim=3)
+    assert k_scale.shape == (4, 2, 64) and v_scale.shape == (4, 2, 32)
+    # an outlier channel gets its own, larger scale rather than crushing the others
+    assert k_scale[0, 0, 3] > 5 * k_scale[0, 0, 0]
+
+
+def test_header_describes_the_chunk():
+    k, v = kv_with_outliers()
+    header = parse_header(codec.encode(k, v, "fp8"))
+    assert (header.codec, header.src_dtype, header.shape) == ("fp8", "bfloat16", SHAPE)
+
+
+def test_shape_mismatch_is_refused():
+    k, v = kv_with_outliers()
+    with pytest.raises(Exception, match="layers, kv_heads"):
+        codec.encode(k, v[:, :, :16], "raw")
+
+
+def _payload():
+    return bytearray(codec.encode(*kv_with_outliers(), "raw"))
+
+
+def _mutations():
+    def flip(offset):
+        def f(p):
+            p[offset] ^= 0x40
+            return p
+
+        return f
+
+    def set_field(fmt, offset, value):
+        def f(p):
+            struct.pack_into(fmt, p, offset, value)
+            return p
+
+        return f
+
+    return {
+        "empty": lambda p: bytearray(),
+        "short header": lambda p: p[: HEADER_BYTES - 1],
+        "bad magic": flip(0),
+        "future version": set_field("<H", 4, 99),
+        "unknown codec": set_field("<B", 6, 9),
+        "unknown dtype": set_field("<B", 7, 0),
+        "zero layers": set_field("<H", 8, 0),
+        "shape vs body": set_field("<I", 12, 31),
+        "body_len lies": set_field("<Q", 20, 12),
+        "truncated body": lambda p: p[:-1],
+        "trailing bytes": lambda p: p + b"\0",
+        "flipped body byte": flip(HEADER_BYTES + 100),
+        "flipped last byte": flip(-1),
+        "flipped checksum": flip(HEADER_BYTES - 1),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_mutations()))
+def test_every_malformed_payload_raises_payload_error(case):
+    bad = _mutations()[case](_payload())
+    with pytest.raises(PayloadError):
+        parse_payload(bad)
+    with pytest.raises(PayloadError):
+        codec.decode(bad)
+
+
+def test_the_unmodified_payload_parses():
+    header, body = parse_payload(_payload())
+    assert len(body) == header.body_len
