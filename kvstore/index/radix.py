@@ -377,11 +377,16 @@ class RadixIndex:
     def _droppable(self, node: Node, tier: int, dropped: set, protected: set) -> bool:
         if node in dropped or node.leases or node in protected:
             return False
-        leaves_tree = node.tiers == 1 << tier
+        only_here = 1 << tier
+        leaves_tree = node.tiers == only_here
         for child in node.iter_children():
-            if child in dropped:
-                continue
-            if child in protected or child.in_tier(tier) or leaves_tree:
+            if child in protected:
+                return False
+            if leaves_tree:
+                # the node leaves the tree, so each child must leave it too
+                if child not in dropped or child.tiers != only_here:
+                    return False
+            elif child.in_tier(tier) and child not in dropped:
                 return False
         return True
 
