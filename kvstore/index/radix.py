@@ -341,9 +341,12 @@ class RadixIndex:
             if freed < need:
                 return False
             victims = {s.node for s in steps}
-            if moved and self.needs_room(dst, moved):
-                if not self._plan_tier(dst, moved, plan, protected | victims | copied):
-                    return False
+            if (
+                moved
+                and self.needs_room(dst, moved)
+                and not self._plan_tier(dst, moved, plan, protected | victims | copied)
+            ):
+                return False
         if freed < need:
             return False
         plan.steps.extend(steps)

