@@ -15,6 +15,7 @@ returned.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -44,6 +45,15 @@ class LookupResult:
     matched: int
     tiers: list[str]
     lease_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ShmRef:
+    """Where a same-host reader finds a chunk: a shared-memory region and a slot in it."""
+
+    region: str
+    offset: int
+    length: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +96,7 @@ class TieredStore:
         self.last = len(tiers) - 1
         self._persist = tiers[-1].persistent and len(tiers) > 1 and write_policy != "none"
         self._lock = threading.RLock()
+        self._leased_garbage: list[tuple[Node, int]] = []
         self._tstats = [TierStats(t.name, t.capacity_bytes) for t in tiers]
         self._stats = StoreStats(tiers=self._tstats, write_policy=write_policy)
         if tiers[-1].persistent:
@@ -129,22 +140,26 @@ class TieredStore:
         rejected_keys: set[bytes] = set()
         new: list[ChunkRecord] = []
         with self._lock:
+            self._expire()
             self._stats.puts += 1
             for rec, err in checked:
                 if err is None and rec.parent is not None and rec.parent in rejected_keys:
-                    err = "parent was rejected"
-                if err is None and rec.parent is not None and self.index.get(rec.parent) is None:
-                    err = "parent is not stored"
+                    err = ("parent_rejected", "parent was rejected")
+                parent = self.index.get(rec.parent) if err is None and rec.parent else None
+                if err is None and rec.parent is not None and parent is None:
+                    err = ("parent_not_stored", "parent is not stored")
                 if err is not None:
-                    rejected.append((rec.key, err))
+                    rejected.append((rec.key, err[1]))
                     rejected_keys.add(rec.key)
-                    self._reject(err)
+                    self._reject(err[0])
                     continue
                 node = self.index.get(rec.key)
                 if node is not None:
                     self.index.touch([node])
                     dups += 1
                     continue
+                if parent is not None and rec.ns != parent.ns:
+                    rec = dataclasses.replace(rec, ns=parent.ns)  # a chain has one namespace
                 self._admit(rec)
                 new.append(rec)
                 stored += 1
@@ -154,23 +169,25 @@ class TieredStore:
             self._stats.put_duplicates += dups
         return PutResult(stored, dups, rejected)
 
-    def _validate(self, rec: ChunkRecord) -> tuple[ChunkRecord, str | None]:
+    def _validate(self, rec: ChunkRecord) -> tuple[ChunkRecord, tuple[str, str] | None]:
         check_key(rec.key)
         if rec.parent is not None:
             check_key(rec.parent, "parent")
-        check_ns(rec.ns)
+        if rec.parent is None:
+            check_ns(rec.ns)
         size = memoryview(rec.payload).nbytes
         if self.max_chunk_bytes is not None and size > self.max_chunk_bytes:
-            return rec, f"chunk of {size} bytes exceeds max_chunk_bytes={self.max_chunk_bytes}"
+            msg = f"chunk of {size} bytes exceeds max_chunk_bytes={self.max_chunk_bytes}"
+            return rec, ("too_large", msg)
         try:
             parse_payload(rec.payload)
         except InvalidArgument as exc:
-            return rec, f"bad payload: {exc}"
+            return rec, ("bad_payload", f"bad payload: {exc}")
         return rec, None
 
-    def _reject(self, reason: str) -> None:
-        short = reason.split(":")[0]
-        self._stats.rejected[short] = self._stats.rejected.get(short, 0) + 1
+    def _reject(self, code: str) -> None:
+        """Count a refusal under a short, fixed code (a metrics label, so never free text)."""
+        self._stats.rejected[code] = self._stats.rejected.get(code, 0) + 1
 
     def _admit(self, rec: ChunkRecord) -> None:
         """Write one new chunk into the fastest tier that can make room for it."""
@@ -194,7 +211,7 @@ class TieredStore:
             self.index.add(rec.key, rec.parent, rec.ns, size, t)
             self._tstats[t].bytes_in += size
             return
-        self._reject("tiers full")
+        self._reject("tiers_full")
         raise TierFullError(f"no tier can admit a chunk of {size} bytes; all are full or leased")
 
     def _write_behind(self, records: list[ChunkRecord]) -> None:
@@ -217,7 +234,7 @@ class TieredStore:
             self._copy_records(batch, self.last)
         except TierFullError as exc:
             log.warning("write-through skipped: %s", exc)
-            self._reject("write-through tier full")
+            self._reject("write_through_full")
 
     def _copy_down(self, nodes: list[Node], dst: int) -> None:
         self._copy_records([self._record_of(n) for n in nodes], dst)
@@ -266,10 +283,7 @@ class TieredStore:
                 self._tstats[step.src].evictions += 1
 
     def _drop_subtree(self, key: bytes, reason: str) -> None:
-        for k, mask in self.index.delete([key], reason=reason):
-            for t, tier in enumerate(self.tiers):
-                if mask >> t & 1:
-                    tier.delete([k])
+        self._free(self.index.delete([key], reason=reason))
 
     # ---- reads ---------------------------------------------------------------------
 
@@ -278,7 +292,7 @@ class TieredStore:
         for k in keys:
             check_key(k)
         with self._lock:
-            self.index.expire_leases()
+            self._expire()
             nodes = self.index.match(keys)
             self.index.touch(nodes)
             names = [self.tiers[self.index.top_tier(n)].name for n in nodes]
@@ -321,6 +335,43 @@ class TieredStore:
             result.append(payload)
         return result
 
+    def get_shm(
+        self, keys: Sequence[ChunkKey], lease_ttl_s: float
+    ) -> tuple[int | None, list[ShmRef | bytes | bytearray]]:
+        """For same-host readers: the longest stored prefix under a new lease.
+
+        Chunks the shared-memory tier holds come back as ``ShmRef`` (valid while
+        the lease lasts); others as bytes, which are then promoted.
+        """
+        for k in keys:
+            check_key(k)
+        shm_tier = next(
+            (t for t, tier in enumerate(self.tiers) if hasattr(tier, "region_name")), None
+        )
+        with self._lock:
+            nodes = self.index.match(keys)
+            self.index.touch(nodes)
+            if not nodes:
+                return None, []
+            lease_id = self.index.lease(nodes, lease_ttl_s)
+            refs: list = []
+            for node in nodes:
+                if shm_tier is not None and node.in_tier(shm_tier):
+                    offset, length = self.tiers[shm_tier].slot_handle(node.key)
+                    refs.append(ShmRef(self.tiers[shm_tier].region_name, offset, length))
+                    self._count_hit(shm_tier, length)
+                else:
+                    refs.append(None)
+        missing = [i for i, ref in enumerate(refs) if ref is None]
+        if missing:
+            payloads = self.get([n.key for n in nodes[: missing[-1] + 1]])
+            for i in missing:
+                if i >= len(payloads):
+                    refs = refs[:i]
+                    break
+                refs[i] = payloads[i]
+        return lease_id, refs
+
     def _read_deferred(self, nodes: list[Node], idx: list[int], out: list) -> None:
         last = self.last
         payloads = self.tiers[last].read([nodes[i].key for i in idx])
@@ -353,15 +404,32 @@ class TieredStore:
             self.index.add(node.key, None, node.ns, node.size, 0)
             self._tstats[0].promotions_in += 1
 
-    def _count_hit(self, tier: int, payload: bytes | bytearray | None) -> None:
+    def _count_hit(self, tier: int, payload: bytes | bytearray | int | None) -> None:
         if payload is not None:
             ts = self._tstats[tier]
             ts.hits += 1
-            ts.bytes_out += len(payload)
+            ts.bytes_out += payload if isinstance(payload, int) else len(payload)
+
+    def peek(self, keys: Sequence[ChunkKey]) -> tuple[list[str], tuple[str, float, str] | None]:
+        """Tiers of the stored prefix and the removal record of the first missing key.
+
+        Read-only: no recency update, no counters (for ``explain``).
+        """
+        with self._lock:
+            nodes = self.index.match(keys)
+            tiers = [self.tiers[self.index.top_tier(n)].name for n in nodes]
+            gone = self.index.why_missing(keys[len(nodes)]) if len(nodes) < len(keys) else None
+            return tiers, gone
+
+    def lease_expired(self, lease_id: int) -> bool:
+        with self._lock:
+            self._expire()
+            return lease_id in self.index.expired_leases
 
     def release(self, lease_id: int) -> None:
         with self._lock:
             self.index.release(lease_id)
+            self._collect_garbage()
 
     # ---- deletion, stats, lifecycle -----------------------------------------------
 
@@ -383,15 +451,39 @@ class TieredStore:
             self._free(removed)
         return len(removed)
 
-    def _free(self, removed: list[tuple[bytes, int]]) -> None:
+    def _free(self, removed: list[tuple[Node, int]]) -> None:
+        """Free the bytes of removed nodes; a leased node's bytes wait for its readers.
+
+        Same-host readers copy straight out of shared-memory slots under a lease,
+        so a slot must not be reused until that lease is released or expires.
+        """
+        for node, mask in removed:
+            if node.leases:
+                self._leased_garbage.append((node, mask))
         for t, tier in enumerate(self.tiers):
-            keys = [k for k, mask in removed if mask >> t & 1]
+            keys = [n.key for n, mask in removed if mask >> t & 1 and not n.leases]
             if keys:
                 tier.delete(keys)
 
+    def _expire(self) -> None:
+        self.index.expire_leases()
+        self._collect_garbage()
+
+    def _collect_garbage(self) -> None:
+        """Free deleted nodes whose last lease has ended (called under the lock)."""
+        if not self._leased_garbage:
+            return
+        done = [(n, m) for n, m in self._leased_garbage if not n.leases]
+        self._leased_garbage = [(n, m) for n, m in self._leased_garbage if n.leases]
+        for node, mask in done:
+            for t, tier in enumerate(self.tiers):
+                # the key may have been stored again since; then its bytes are live
+                if mask >> t & 1 and self.index.get(node.key) is None:
+                    tier.delete([node.key])
+
     def stats(self) -> StoreStats:
         with self._lock:
-            self.index.expire_leases()
+            self._expire()
             for t, ts in enumerate(self._tstats):
                 ts.used_bytes = self.index.used[t]
                 ts.chunks = self.index.counts[t]

@@ -404,22 +404,26 @@ class RadixIndex:
 
     # ---- deletion ----------------------------------------------------------------
 
-    def delete(self, keys: Iterable[bytes], reason: str = "deleted") -> list[tuple[bytes, int]]:
-        """Remove chunks with every suffix stored under them: (key, tier mask) each."""
-        removed: list[tuple[bytes, int]] = []
+    def delete(self, keys: Iterable[bytes], reason: str = "deleted") -> list[tuple[Node, int]]:
+        """Remove chunks with every suffix stored under them: (node, tier mask) each.
+
+        Leased nodes go too (deletion is explicit); their ``leases`` count tells
+        the caller to keep the bytes until the readers are done.
+        """
+        removed: list[tuple[Node, int]] = []
         for key in keys:
             node = self._nodes.get(key)
             if node is not None:
                 self._delete_subtree(node, reason, removed)
         return removed
 
-    def delete_namespace(self, ns: bytes) -> list[tuple[bytes, int]]:
+    def delete_namespace(self, ns: bytes) -> list[tuple[Node, int]]:
         if ns not in self._ns:
             return []
         roots = [n for n in self._nodes.values() if n.parent is None and n.ns == ns]
         return self.delete([n.key for n in roots], reason="namespace deleted")
 
-    def _delete_subtree(self, root: Node, reason: str, out: list[tuple[bytes, int]]) -> None:
+    def _delete_subtree(self, root: Node, reason: str, out: list[tuple[Node, int]]) -> None:
         order: list[Node] = []
         stack = [root]
         while stack:
@@ -432,4 +436,4 @@ class RadixIndex:
                 if mask >> t & 1:
                     self._drop_residency(node, t)
             self._unlink(node, "-", reason)
-            out.append((node.key, mask))
+            out.append((node, mask))

@@ -135,7 +135,7 @@ def test_delete_removes_the_suffix_too():
     index = RadixIndex([TierSpec("dram", 1000)])
     a = chain(index, 5)
     removed = index.delete([a[2]])
-    assert {k for k, _ in removed} == set(a[2:])
+    assert {n.key for n, _ in removed} == set(a[2:])
     assert [n.key for n in index.match(a)] == a[:2]
     assert index.used[0] == 20
 
@@ -263,7 +263,7 @@ class IndexMachine(RuleBasedStateMachine):
         nodes = list(self.index.nodes())
         if nodes:
             node = data.draw(st.sampled_from(nodes))
-            self.deleted |= {k for k, _ in self.index.delete([node.key])}
+            self.deleted |= {n.key for n, _ in self.index.delete([node.key])}
 
     @invariant()
     def parents_are_in_the_tree(self):

@@ -133,9 +133,9 @@ def test_bad_chunks_are_rejected_with_reasons(open_store):
     with pytest.raises(InvalidArgument, match="16 bytes"):
         store.put([ChunkRecord(b"short", None, records[0].ns, records[0].payload)])
     assert store.stats().rejected == {
-        "bad payload": 1,
-        "parent was rejected": 1,
-        "parent is not stored": 1,
+        "bad_payload": 1,
+        "parent_rejected": 1,
+        "parent_not_stored": 1,
     }
 
 
