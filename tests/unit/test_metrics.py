@@ -1,0 +1,224 @@
+"""Metrics over a real TieredStore, scraped from the real /metrics HTTP endpoint."""
+
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvstore.metrics import Metrics
+from kvstore.stats import StoreStats, TierStats
+from kvstore.store import TieredStore
+from kvstore.tiers.dram import DramTier
+from kvstore.tiers.nvme import NvmeTier
+from tests.chunks import chain
+
+SLOT = 40 * 1024
+DRAM_SLOTS = 64
+MiB = 1 << 20
+
+EXPORTED = {
+    "kvstore_rpc_duration_seconds": "histogram",
+    "kvstore_rpc_total": "counter",
+    "kvstore_rejected_requests_total": "counter",
+    "kvstore_wire_bytes_total": "counter",
+    "kvstore_tier_capacity_bytes": "gauge",
+    "kvstore_tier_used_bytes": "gauge",
+    "kvstore_tier_chunks": "gauge",
+    "kvstore_tier_occupancy_ratio": "gauge",
+    "kvstore_tier_hits_total": "counter",
+    "kvstore_tier_bytes_in_total": "counter",
+    "kvstore_tier_bytes_out_total": "counter",
+    "kvstore_tier_evictions_total": "counter",
+    "kvstore_tier_demotions_total": "counter",
+    "kvstore_tier_promotions_total": "counter",
+    "kvstore_tier_corrupt_total": "counter",
+    "kvstore_chunks": "gauge",
+    "kvstore_lookups_total": "counter",
+    "kvstore_lookup_keys_total": "counter",
+    "kvstore_lookup_hit_keys_total": "counter",
+    "kvstore_misses_total": "counter",
+    "kvstore_put_batches_total": "counter",
+    "kvstore_put_chunks_total": "counter",
+    "kvstore_put_duplicates_total": "counter",
+    "kvstore_store_rejected_total": "counter",
+    "kvstore_active_leases": "gauge",
+    "kvstore_expired_leases_total": "counter",
+    "kvstore_namespaces": "gauge",
+}
+
+
+@pytest.fixture
+def store(tmp_path):
+    tiers = [DramTier(DRAM_SLOTS * SLOT, SLOT), NvmeTier(str(tmp_path / "lmdb"), 64 * MiB)]
+    s = TieredStore(tiers, write_policy="write_through")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def serve():
+    endpoints = []
+
+    def _serve(metrics: Metrics):
+        endpoint = metrics.serve_http("127.0.0.1:0")
+        endpoints.append(endpoint)
+        return endpoint
+
+    yield _serve
+    for endpoint in endpoints:
+        endpoint.close()
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        assert resp.status == 200
+        return resp.read().decode()
+
+
+def samples(text: str) -> dict[tuple[str, frozenset], float]:
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(got: dict, name: str, **labels: str) -> float:
+    return got[(name, frozenset(labels.items()))]
+
+
+def test_a_scrape_reports_the_traffic_exactly(store, serve):
+    records = chain(4)
+    keys = [r.key for r in records]
+    chunk_bytes = sum(len(r.payload) for r in records)
+    assert store.put(records).stored == 4
+    orphan = chain(2, seed=7)[1]  # its parent was never stored
+    assert len(store.put([orphan]).rejected) == 1
+    assert store.lookup(keys + [b"\x00" * 16], lease_ttl_s=60).matched == 4
+    assert len(store.get(keys + [b"\x00" * 16])) == 4
+
+    metrics = Metrics(store.stats)
+    metrics.observe_rpc("Lookup", 0.0002, "OK")
+    metrics.observe_rpc("Lookup", 0.0002, "OK")
+    metrics.observe_rpc("Get", 0.003, "OK")
+    metrics.observe_rpc("Put", 0.5, "RESOURCE_EXHAUSTED")
+    metrics.rejected("too_large")
+    metrics.rejected("tiers_full", 3)
+    metrics.bytes_transferred("in", chunk_bytes)
+    metrics.bytes_transferred("out", chunk_bytes)
+    metrics.bytes_transferred("out", 10)
+    got = samples(scrape(serve(metrics).port))
+
+    assert value(got, "kvstore_rpc_total", method="Lookup", code="OK") == 2
+    assert value(got, "kvstore_rpc_total", method="Put", code="RESOURCE_EXHAUSTED") == 1
+    lookup = {"method": "Lookup"}
+    assert value(got, "kvstore_rpc_duration_seconds_count", **lookup) == 2
+    assert value(got, "kvstore_rpc_duration_seconds_sum", **lookup) == pytest.approx(0.0004)
+    assert value(got, "kvstore_rpc_duration_seconds_bucket", le="0.0001", **lookup) == 0
+    assert value(got, "kvstore_rpc_duration_seconds_bucket", le="0.00025", **lookup) == 2
+    assert value(got, "kvstore_rpc_duration_seconds_bucket", le="+Inf", **lookup) == 2
+    assert value(got, "kvstore_rejected_requests_total", reason="too_large") == 1
+    assert value(got, "kvstore_rejected_requests_total", reason="tiers_full") == 3
+    assert value(got, "kvstore_wire_bytes_total", direction="in") == chunk_bytes
+    assert value(got, "kvstore_wire_bytes_total", direction="out") == chunk_bytes + 10
+
+    dram, nvme = {"tier": "dram"}, {"tier": "nvme"}
+    assert value(got, "kvstore_tier_chunks", **dram) == 4
+    assert value(got, "kvstore_tier_chunks", **nvme) == 4  # written through
+    assert value(got, "kvstore_tier_capacity_bytes", **dram) == DRAM_SLOTS * SLOT
+    assert value(got, "kvstore_tier_used_bytes", **dram) == 4 * SLOT  # a chunk costs a slot
+    assert value(got, "kvstore_tier_occupancy_ratio", **dram) == pytest.approx(4 / DRAM_SLOTS)
+    nvme_used = value(got, "kvstore_tier_used_bytes", **nvme)
+    nvme_capacity = value(got, "kvstore_tier_capacity_bytes", **nvme)
+    assert value(got, "kvstore_tier_occupancy_ratio", **nvme) == pytest.approx(
+        nvme_used / nvme_capacity
+    )
+    assert value(got, "kvstore_tier_hits_total", **dram) == 4
+    assert value(got, "kvstore_tier_hits_total", **nvme) == 0
+    assert value(got, "kvstore_tier_bytes_in_total", **dram) == chunk_bytes
+    assert value(got, "kvstore_tier_bytes_in_total", **nvme) == chunk_bytes
+    assert value(got, "kvstore_tier_bytes_out_total", **dram) == chunk_bytes
+    for name in ("evictions", "demotions", "promotions", "corrupt"):
+        assert value(got, f"kvstore_tier_{name}_total", **dram) == 0
+
+    assert value(got, "kvstore_chunks") == 4
+    assert value(got, "kvstore_lookups_total") == 1
+    assert value(got, "kvstore_lookup_keys_total") == 5
+    assert value(got, "kvstore_lookup_hit_keys_total") == 4
+    assert value(got, "kvstore_misses_total") == 1
+    assert value(got, "kvstore_put_batches_total") == 2
+    assert value(got, "kvstore_put_chunks_total") == 4
+    assert value(got, "kvstore_put_duplicates_total") == 0
+    assert value(got, "kvstore_store_rejected_total", reason="parent_not_stored") == 1
+    assert value(got, "kvstore_active_leases") == 1
+    assert value(got, "kvstore_expired_leases_total") == 0
+    assert value(got, "kvstore_namespaces") == 1
+
+
+def test_stats_are_read_at_each_scrape_not_copied_at_start(store, serve):
+    metrics = Metrics(store.stats)
+    endpoint = serve(metrics)
+    assert value(samples(scrape(endpoint.port)), "kvstore_chunks") == 0
+    store.put(chain(3))
+    assert value(samples(scrape(endpoint.port)), "kvstore_chunks") == 3
+
+
+def test_names_follow_prometheus_conventions(store, serve):
+    metrics = Metrics(store.stats)
+    metrics.observe_rpc("Get", 0.01, "OK")
+    metrics.rejected("bad_payload")
+    metrics.bytes_transferred("in", 1)
+    store.put([chain(2, seed=3)[1]])  # one store rejection, so that family has a sample
+    text = scrape(serve(metrics).port)
+    assert "_total_total" not in text
+    types = {}
+    helps = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            types[name] = kind
+        elif line.startswith("# HELP "):
+            name, help_text = line[len("# HELP ") :].split(" ", 1)
+            helps[name] = help_text
+    # A Counter also exports its creation time as a ``<name>_created`` gauge.
+    created = {n for n, kind in types.items() if n.endswith("_created") and kind == "gauge"}
+    assert {n: k for n, k in types.items() if n not in created} == EXPORTED
+    assert all(helps[name].strip() for name in types)
+    for family in text_string_to_metric_families(text):
+        assert family.name.startswith("kvstore_")
+        if family.type == "counter":
+            for s in family.samples:
+                assert s.name.endswith("_total") and s.name.count("_total") == 1, s.name
+
+
+def test_two_instances_coexist_in_one_process(serve):
+    def fixed(chunks: int):
+        return lambda: StoreStats(tiers=[TierStats("dram", 100, 10, chunks)], chunks=chunks)
+
+    a, b = Metrics(fixed(1)), Metrics(fixed(2))
+    a.observe_rpc("Get", 0.001, "OK")
+    ea, eb = serve(a), serve(b)
+    assert ea.port != eb.port
+    got_a, got_b = samples(scrape(ea.port)), samples(scrape(eb.port))
+    assert value(got_a, "kvstore_chunks") == 1 and value(got_b, "kvstore_chunks") == 2
+    assert value(got_a, "kvstore_rpc_total", method="Get", code="OK") == 1
+    assert ("kvstore_rpc_total", frozenset({"method": "Get", "code": "OK"}.items())) not in got_b
+    assert value(got_a, "kvstore_tier_occupancy_ratio", tier="dram") == pytest.approx(0.1)
+    assert a.render() != b.render()
+
+
+def test_a_closed_endpoint_stops_serving():
+    endpoint = Metrics(lambda: StoreStats(tiers=[])).serve_http("127.0.0.1:0")
+    scrape(endpoint.port)
+    endpoint.close()
+    with pytest.raises(OSError):
+        scrape(endpoint.port)
+
+
+def test_bad_arguments_are_refused():
+    metrics = Metrics(lambda: StoreStats(tiers=[]))
+    with pytest.raises(ValueError, match="direction"):
+        metrics.bytes_transferred("sideways", 1)
+    for listen in ("9400", "host:", "host:port", "host:70000"):
+        with pytest.raises(ValueError, match="host:port"):
+            metrics.serve_http(listen)
