@@ -96,7 +96,7 @@ class TieredStore:
         self.last = len(tiers) - 1
         self._persist = tiers[-1].persistent and len(tiers) > 1 and write_policy != "none"
         self._lock = threading.RLock()
-        self._leased_garbage: list[tuple[Node, int]] = []
+        self._leased_garbage: list[tuple[Node, int]] = []  # (node, tier)
         self._tstats = [TierStats(t.name, t.capacity_bytes) for t in tiers]
         self._stats = StoreStats(tiers=self._tstats, write_policy=write_policy)
         if tiers[-1].persistent:
@@ -452,16 +452,21 @@ class TieredStore:
         return len(removed)
 
     def _free(self, removed: list[tuple[Node, int]]) -> None:
-        """Free the bytes of removed nodes; a leased node's bytes wait for its readers.
+        """Free the bytes of removed nodes; shared-memory slots under a lease wait.
 
-        Same-host readers copy straight out of shared-memory slots under a lease,
-        so a slot must not be reused until that lease is released or expires.
+        Same-host readers copy straight out of DRAM slots under a lease, so such
+        a slot must not be reused until that lease is released or expires.
+        Other tiers are read under the store's lock or in a transaction.
         """
-        for node, mask in removed:
-            if node.leases:
-                self._leased_garbage.append((node, mask))
         for t, tier in enumerate(self.tiers):
-            keys = [n.key for n, mask in removed if mask >> t & 1 and not n.leases]
+            shared = hasattr(tier, "region_name")
+            keys = []
+            for node, mask in removed:
+                if mask >> t & 1:
+                    if shared and node.leases:
+                        self._leased_garbage.append((node, t))
+                    else:
+                        keys.append(node.key)
             if keys:
                 tier.delete(keys)
 
@@ -469,17 +474,17 @@ class TieredStore:
         self.index.expire_leases()
         self._collect_garbage()
 
-    def _collect_garbage(self) -> None:
-        """Free deleted nodes whose last lease has ended (called under the lock)."""
+    def _collect_garbage(self, force: bool = False) -> None:
+        """Free deleted slots whose last lease has ended (called under the lock)."""
         if not self._leased_garbage:
             return
-        done = [(n, m) for n, m in self._leased_garbage if not n.leases]
-        self._leased_garbage = [(n, m) for n, m in self._leased_garbage if n.leases]
-        for node, mask in done:
-            for t, tier in enumerate(self.tiers):
-                # the key may have been stored again since; then its bytes are live
-                if mask >> t & 1 and self.index.get(node.key) is None:
-                    tier.delete([node.key])
+        keep = []
+        for node, t in self._leased_garbage:
+            if node.leases and not force:
+                keep.append((node, t))
+            elif self.index.get(node.key) is None:  # not stored again since
+                self.tiers[t].delete([node.key])
+        self._leased_garbage = keep
 
     def stats(self) -> StoreStats:
         with self._lock:
@@ -517,5 +522,6 @@ class TieredStore:
         if self.write_policy == "write_back":
             self.flush()
         with self._lock:
+            self._collect_garbage(force=True)
             for tier in self.tiers:
                 tier.close()

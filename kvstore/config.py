@@ -1,0 +1,405 @@
+"""The server's configuration: frozen dataclasses that check themselves, and where values come from.
+
+Offers ``Config`` (sections ``server``, ``store``, ``dram``, ``nvme``, ``hbm``; ``to_dict``),
+``load_config`` (overrides > ``KVSTORE_<SECTION>_<KEY>`` environment > YAML file > embedded
+defaults), ``parse_size``/``format_size`` ("2GiB", "1.5GB", "4096"), ``describe_options``
+(one row per option, for the README and the CLI help) and ``ConfigError``.
+
+Every section coerces its fields in ``__post_init__`` (strings become sizes, numbers and
+booleans such as ``yes``/``off``), so YAML, environment and command-line values all pass the
+same checks, and an error always names the dotted key and, when loaded, where the value came
+from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any, NamedTuple
+
+import yaml
+
+from kvstore.index import POLICIES
+from kvstore.store import WRITE_POLICIES
+from kvstore.tiers.nvme_format import COMPRESSION
+from kvstore.types import InvalidArgument
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+ENV_PREFIX = "KVSTORE_"
+ENV_CONFIG = "KVSTORE_CONFIG"
+
+
+class ConfigError(InvalidArgument):
+    """A config value is unknown or invalid; ``key`` is its dotted name when there is one."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+# k, M, G... are powers of 1000 and Ki, Mi, Gi... powers of 1024, as in Kubernetes quantities.
+_UNITS = {"": 1, "b": 1} | {
+    prefix + suffix: base**power
+    for power, prefix in enumerate("kmgtpe", start=1)
+    for suffix, base in (("", 1000), ("b", 1000), ("i", 1024), ("ib", 1024))
+}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-z]*)\s*", re.IGNORECASE)
+_BINARY = ("EiB", "PiB", "TiB", "GiB", "MiB", "KiB")
+
+
+def parse_size(value: object, key: str = "size") -> int:
+    """Bytes from an int or a string such as "2GiB", "512MiB", "1.5GB", "64k" or "4096"."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = _SIZE.fullmatch(value) if isinstance(value, str) else None
+    unit = _UNITS.get(m.group(2).lower()) if m else None
+    if m is None or unit is None:
+        raise ConfigError(
+            f"{key} must be a size such as 2GiB, 512MiB, 1.5GB or 4096, got {value!r}", key
+        )
+    n = Decimal(m.group(1)) * unit
+    if n != n.to_integral_value():
+        raise ConfigError(f"{key} must be a whole number of bytes, got {value!r}", key)
+    return int(n)
+
+
+def format_size(n: int) -> str:
+    """The shortest exact binary spelling: 2GiB, 4160KiB, 4096 -> 4KiB, 1000 -> 1000."""
+    for i, unit in enumerate(_BINARY):
+        scale = 1024 ** (len(_BINARY) - i)
+        if n and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+
+
+def _to_bool(value: object, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    word = value.strip().lower() if isinstance(value, str) else None
+    if word in _TRUE or word in _FALSE:
+        return word in _TRUE
+    raise ConfigError(f"{key} must be true/false, 1/0, yes/no or on/off, got {value!r}", key)
+
+
+def _to_int(value: object, key: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?[0-9]+\s*", value):
+        return int(value)
+    raise ConfigError(f"{key} must be an integer, got {value!r}", key)
+
+
+def _to_float(value: object, key: str) -> float:
+    try:
+        number = math.nan if isinstance(value, bool) else float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        number = math.nan
+    if not math.isfinite(number):
+        raise ConfigError(f"{key} must be a finite number, got {value!r}", key)
+    return number
+
+
+def _to_str(value: object, key: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{key} must be a string, got {value!r}", key)
+    return value
+
+
+_COERCE: dict[str, Callable[[object, str], Any]] = {
+    "bool": _to_bool,
+    "int": _to_int,
+    "float": _to_float,
+    "size": parse_size,
+    "str": _to_str,
+}
+
+
+def _opt(default: object, help: str, kind: str | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "kind": kind or type(default).__name__})
+
+
+def _size(default: int, help: str) -> Any:
+    return _opt(default, help, "size")
+
+
+class _Section:
+    """Coerces every field to its kind, then runs the section's own checks (``_check``)."""
+
+    __slots__ = ()
+    SECTION = ""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            coerce = _COERCE[f.metadata["kind"]]
+            object.__setattr__(self, f.name, coerce(getattr(self, f.name), self._key(f.name)))
+        self._check()
+
+    def _check(self) -> None:
+        """Range and cross-field checks, run once every field has its type."""
+
+    def _key(self, name: str) -> str:
+        return f"{self.SECTION}.{name}"
+
+    def _require(self, ok: bool, name: str, rule: str) -> None:
+        if not ok:
+            key = self._key(name)
+            raise ConfigError(f"{key} {rule}, got {getattr(self, name)!r}", key)
+
+    def _one_of(self, name: str, choices: list[str] | tuple[str, ...]) -> None:
+        self._require(getattr(self, name) in choices, name, f"must be one of {', '.join(choices)}")
+
+
+def _check_slots(tier: DramConfig | HbmConfig) -> None:
+    tier._require(tier.slot_bytes > 0, "slot_bytes", "must be positive")
+    tier._require(
+        tier.capacity_bytes >= tier.slot_bytes,
+        "capacity_bytes",
+        f"must hold at least one slot of {tier.SECTION}.slot_bytes ({tier.slot_bytes} B)",
+    )
+
+
+def _is_address(addr: str, unix: bool) -> bool:
+    if unix and addr.startswith("unix:"):
+        return len(addr) > len("unix:")
+    host, _, port = addr.rpartition(":")
+    return bool(host) and re.fullmatch(r"[0-9]{1,5}", port) is not None and int(port) <= 65535
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig(_Section):
+    SECTION = "server"
+    listen: str = _opt("127.0.0.1:50051", "gRPC listen address: host:port or unix:PATH")
+    metrics_listen: str = _opt("127.0.0.1:9400", "Prometheus /metrics host:port; empty disables")
+    max_message_bytes: int = _size(65 * MiB, "largest gRPC message; must exceed max_chunk_bytes")
+    max_keys_per_request: int = _opt(65536, "most keys one request may name")
+    max_chunk_bytes: int = _size(64 * MiB, "largest chunk payload a Put may store")
+    shm: bool = _opt(True, "offer same-host clients shared-memory slot handles")
+    grace_s: float = _opt(10.0, "seconds in-flight calls get to finish at shutdown")
+    workers: int = _opt(16, "gRPC server thread pool size")
+
+    def _check(self) -> None:
+        self._require(
+            _is_address(self.listen, unix=True), "listen", "must be host:port or unix:PATH"
+        )
+        self._require(
+            not self.metrics_listen or _is_address(self.metrics_listen, unix=False),
+            "metrics_listen",
+            "must be host:port, or empty to disable metrics",
+        )
+        self._require(self.max_chunk_bytes > 0, "max_chunk_bytes", "must be positive")
+        self._require(
+            self.max_message_bytes > self.max_chunk_bytes,
+            "max_message_bytes",
+            f"must exceed server.max_chunk_bytes ({self.max_chunk_bytes} B)",
+        )
+        self._require(self.max_keys_per_request > 0, "max_keys_per_request", "must be positive")
+        self._require(self.grace_s >= 0, "grace_s", "must not be negative")
+        self._require(self.workers > 0, "workers", "must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig(_Section):
+    SECTION = "store"
+    write_policy: str = _opt(
+        "write_through", "when bytes reach nvme: " + " | ".join(WRITE_POLICIES)
+    )
+    eviction_policy: str = _opt("lru", "which chunks leave a full tier first: lru | fifo")
+    high_watermark: float = _opt(0.95, "tier occupancy that starts eviction")
+    low_watermark: float = _opt(0.85, "tier occupancy eviction brings a tier down to")
+    lease_ttl_s: float = _opt(30.0, "lease length when a client asks for one without a ttl")
+    max_lease_ttl_s: float = _opt(600.0, "longest lease a client may ask for")
+
+    def _check(self) -> None:
+        self._one_of("write_policy", WRITE_POLICIES)
+        self._one_of("eviction_policy", sorted(POLICIES))
+        self._require(0 < self.high_watermark <= 1, "high_watermark", "must be in (0, 1]")
+        self._require(
+            0 < self.low_watermark <= self.high_watermark,
+            "low_watermark",
+            f"must be in (0, store.high_watermark={self.high_watermark}]",
+        )
+        self._require(self.lease_ttl_s > 0, "lease_ttl_s", "must be positive")
+        self._require(
+            self.max_lease_ttl_s >= self.lease_ttl_s,
+            "max_lease_ttl_s",
+            f"must be at least store.lease_ttl_s ({self.lease_ttl_s})",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class DramConfig(_Section):
+    SECTION = "dram"
+    enabled: bool = _opt(True, "keep chunks in a host shared-memory region (/dev/shm)")
+    capacity_bytes: int = _size(2 * GiB, "size of the region")
+    slot_bytes: int = _size(4 * MiB + 64 * KiB, "one slot per chunk: the largest chunk it holds")
+
+    def _check(self) -> None:
+        _check_slots(self)
+
+
+@dataclass(frozen=True, slots=True)
+class NvmeConfig(_Section):
+    SECTION = "nvme"
+    enabled: bool = _opt(True, "persist chunks in LMDB; the index is rebuilt from it at start")
+    path: str = _opt("./data/lmdb", "LMDB directory, created with its parents")
+    map_size: int = _size(64 * GiB, "LMDB map size: the most bytes the tier holds")
+    compression: str = _opt("zstd", "value compression: zstd | none")
+    zstd_level: int = _opt(1, "zstd level, 1 (fast) to 22 (small)")
+    sync: bool = _opt(False, "fsync every commit (slower; survives power loss)")
+
+    def _check(self) -> None:
+        self._require(bool(self.path), "path", "must not be empty")
+        self._require(self.map_size > 0, "map_size", "must be positive")
+        self._one_of("compression", sorted(COMPRESSION, reverse=True))
+        self._require(1 <= self.zstd_level <= 22, "zstd_level", "must be in 1..22")
+
+
+@dataclass(frozen=True, slots=True)
+class HbmConfig(_Section):
+    SECTION = "hbm"
+    enabled: bool = _opt(False, "keep chunks in GPU memory (needs CuPy and a CUDA device)")
+    capacity_bytes: int = _size(8 * GiB, "size of the device allocation")
+    slot_bytes: int = _size(4 * MiB + 64 * KiB, "one slot per chunk: the largest chunk it holds")
+    device: int = _opt(0, "CUDA device ordinal")
+
+    def _check(self) -> None:
+        _check_slots(self)
+        self._require(self.device >= 0, "device", "must not be negative")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    dram: DramConfig = field(default_factory=DramConfig)
+    nvme: NvmeConfig = field(default_factory=NvmeConfig)
+    hbm: HbmConfig = field(default_factory=HbmConfig)
+
+    def __post_init__(self) -> None:
+        if not (self.hbm.enabled or self.dram.enabled or self.nvme.enabled):
+            raise ConfigError(
+                "no tier is enabled: set at least one of hbm.enabled, dram.enabled, nvme.enabled"
+            )
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """``{section: {key: value}}``, loadable back as a YAML config file."""
+        return dataclasses.asdict(self)
+
+
+_SECTIONS: dict[str, type[_Section]] = {
+    f.name: f.default_factory  # type: ignore[misc]
+    for f in dataclasses.fields(Config)
+}
+
+
+class Option(NamedTuple):
+    key: str
+    type: str
+    default: str
+    help: str
+
+
+def _show(f: dataclasses.Field) -> str:
+    if f.metadata["kind"] == "size":
+        return format_size(f.default)  # type: ignore[arg-type]
+    if f.metadata["kind"] == "bool":
+        return str(f.default).lower()
+    return str(f.default) if f.default != "" else '""'
+
+
+def describe_options() -> list[Option]:
+    """(dotted key, type, default as written in YAML, help) for every option, in order."""
+    return [
+        Option(f"{s}.{f.name}", f.metadata["kind"], _show(f), f.metadata["help"])
+        for s, cls in _SECTIONS.items()
+        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+    ]
+
+
+def load_config(
+    path: str | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> Config:
+    """Overrides (dotted keys) > ``KVSTORE_<SECTION>_<KEY>`` > YAML file > defaults.
+
+    ``env`` defaults to ``os.environ``; with no ``path``, ``KVSTORE_CONFIG`` names the file.
+    """
+    env = os.environ if env is None else env
+    values: dict[str, dict[str, object]] = {s: {} for s in _SECTIONS}
+    origin: dict[str, str] = {}
+
+    def put(section: str, name: str, value: object, source: str) -> None:
+        _check_known(section, name, source)
+        values[section][name] = value
+        origin[f"{section}.{name}"] = source
+
+    path = path or env.get(ENV_CONFIG) or None
+    if path:
+        for section, items in _read_yaml(path).items():
+            for name, value in items.items():
+                put(section, str(name), value, path)
+    for var, value in sorted(env.items()):
+        if var.startswith(ENV_PREFIX) and var != ENV_CONFIG:
+            section, _, name = var[len(ENV_PREFIX) :].lower().partition("_")
+            put(section, name, value, f"environment variable {var}")
+    for dotted, value in (overrides or {}).items():
+        section, _, name = dotted.partition(".")
+        put(section, name, value, "overrides")
+
+    sections = {}
+    for section, cls in _SECTIONS.items():
+        try:
+            sections[section] = cls(**values[section])
+        except ConfigError as e:
+            if e.key not in origin:
+                raise
+            raise ConfigError(f"{e} (from {origin[e.key]})", e.key) from None
+    return Config(**sections)  # type: ignore[arg-type]
+
+
+def _check_known(section: str, name: str, source: str) -> None:
+    if section not in _SECTIONS:
+        raise ConfigError(
+            f"unknown config section {section!r} (from {source}); "
+            f"valid sections: {', '.join(_SECTIONS)}"
+        )
+    valid = [f.name for f in dataclasses.fields(_SECTIONS[section])]  # type: ignore[arg-type]
+    if name not in valid:
+        key = f"{section}.{name}"
+        close = difflib.get_close_matches(name, valid, n=1)
+        hint = f"; did you mean {section}.{close[0]}?" if close else ""
+        raise ConfigError(
+            f"unknown config key {key!r} (from {source}); "
+            f"valid keys of {section}: {', '.join(valid)}{hint}",
+            key,
+        )
+
+
+def _read_yaml(path: str) -> dict[str, dict[str, object]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    sections = {} if doc is None else doc
+    if not isinstance(sections, dict) or not all(
+        items is None or isinstance(items, dict) for items in sections.values()
+    ):
+        raise ConfigError(f"config file {path} must map sections to mappings of keys, got {doc!r}")
+    return {str(section): items or {} for section, items in sections.items()}
