@@ -9,6 +9,9 @@ TORCH_SPEC ?= torch==2.13.0
 CORE := $(VENV)/.installed-core
 VLLM := $(VENV)/.installed-vllm
 PROTO_SRC := proto/kvstore/v1/kvstore.proto
+# Generated at install time so the stubs always match the installed protobuf runtime.
+PB := kvstore/v1/kvstore_pb2.py
+PROTOC = $(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO_SRC)
 PYTEST_ARGS ?=
 
 .PHONY: run test bench proto lint install install-vllm clean
@@ -30,23 +33,26 @@ $(VLLM): $(CORE)
 	$(PY) -c 'import vllm, torch; assert not torch.version.cuda; print("vllm", vllm.__version__)'
 	touch $@
 
-install: $(CORE)
+$(PB): $(PROTO_SRC) $(CORE)
+	$(PROTOC)
 
-install-vllm: $(VLLM)
+install: $(CORE) $(PB)
 
-run: $(CORE)
+install-vllm: $(VLLM) $(PB)
+
+run: install
 	$(PY) server.py
 
-test: $(CORE)
+test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-bench: $(CORE)
+bench: install
 	@mkdir -p benchmarks/results
 	$(PY) benchmarks/bench_index.py --quick
 	$(PY) benchmarks/bench_tiers.py --quick
 
 proto: $(CORE)
-	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO_SRC)
+	$(PROTOC)
 
 lint: $(CORE)
 	$(PY) -m ruff check .

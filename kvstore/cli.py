@@ -1,0 +1,243 @@
+"""The ``kvstore`` command: ``serve``, ``stats``, ``explain``, ``ping``, ``keys``.
+
+Client commands talk to ``--address`` (default: ``$KVSTORE_SERVER_LISTEN`` or
+127.0.0.1:50051). Every failure prints one readable line and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from kvstore import __version__
+from kvstore.types import KVStoreError
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _duration(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def stats_dict(resp) -> dict:
+    from google.protobuf.json_format import MessageToDict
+
+    return MessageToDict(
+        resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+
+
+def format_stats(resp, address: str) -> str:
+    lines = [
+        f"kvstore {resp.version} at {address}  up {_duration(resp.uptime_s)}  "
+        f"write policy {resp.write_policy}",
+        "",
+    ]
+    head = (
+        "tier",
+        "capacity",
+        "used",
+        "occupancy",
+        "chunks",
+        "hits",
+        "bytes in",
+        "bytes out",
+        "evictions",
+        "corrupt",
+    )
+    rows = [head]
+    for t in resp.tiers:
+        occ = t.used_bytes / t.capacity_bytes if t.capacity_bytes else 0.0
+        rows.append(
+            (
+                t.name,
+                _human(t.capacity_bytes),
+                _human(t.used_bytes),
+                f"{occ:.1%}",
+                str(t.chunks),
+                str(t.hits),
+                _human(t.bytes_in),
+                _human(t.bytes_out),
+                str(t.evictions),
+                str(t.corrupt),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    for r in rows:
+        lines.append(
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
+            ).rstrip()
+        )
+    rate = resp.lookup_hit_keys / resp.lookup_keys if resp.lookup_keys else 0.0
+    lines += [
+        "",
+        f"chunks      {resp.chunks}",
+        f"lookups     {resp.lookups} ({resp.lookup_keys} keys, hit rate {rate:.1%})",
+        f"puts        {resp.put_chunks} chunks stored, {resp.put_duplicates} duplicates",
+        f"leases      {resp.active_leases} active, {resp.expired_leases} expired",
+    ]
+    rejected = ", ".join(f"{k} {v}" for k, v in sorted(resp.rejected.items())) or "none"
+    lines.append(f"rejected    {rejected}")
+    ns = sorted(resp.namespaces.items(), key=lambda kv: -kv[1])
+    lines.append(f"namespaces  {len(ns)}")
+    lines += [f"  {digest[:16]}…  {n} chunks" for digest, n in ns[:10]]
+    if len(ns) > 10:
+        lines.append(f"  … and {len(ns) - 10} more")
+    return "\n".join(lines)
+
+
+def _client(args):
+    from kvstore.client import ClientOptions, KVStoreClient
+
+    return KVStoreClient(args.address, ClientOptions(timeout_s=args.timeout, retries=1))
+
+
+def cmd_serve(args) -> int:
+    from kvstore.app import serve
+    from kvstore.config import load_config
+    from kvstore.config_cli import overrides_from_args
+
+    config = load_config(args.config, overrides=overrides_from_args(args))
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
+        return 0
+    return serve(config)
+
+
+def cmd_stats(args) -> int:
+    with _client(args) as client:
+        resp = client.stats()
+    if args.json:
+        print(json.dumps(stats_dict(resp), indent=2, sort_keys=True))
+    else:
+        print(format_stats(resp, args.address))
+    return 0
+
+
+def _hex_keys(values: Sequence[str], what: str) -> list[bytes]:
+    out = []
+    for v in values:
+        try:
+            out.append(bytes.fromhex(v))
+        except ValueError:
+            raise KVStoreError(f"{what} {v!r} is not hex") from None
+    return out
+
+
+def cmd_explain(args) -> int:
+    keys = _hex_keys(args.keys, "key")
+    ns = _hex_keys([args.namespace], "namespace")[0] if args.namespace else None
+    with _client(args) as client:
+        resp = client.explain(keys, namespace=ns, lease_id=args.lease)
+    if args.json:
+        print(json.dumps(stats_dict(resp), indent=2, sort_keys=True))
+    else:
+        print(f"{resp.matched}/{len(keys)} chunks stored: {resp.reason}")
+        print(resp.detail)
+    return 0 if resp.reason == "complete" else 3
+
+
+def cmd_ping(args) -> int:
+    with _client(args) as client:
+        ok = client.ping()
+    print(f"{args.address}: {'SERVING' if ok else 'NOT_SERVING'}")
+    return 0 if ok else 1
+
+
+def cmd_keys(args) -> int:
+    from kvstore.keys import Namespace, chunk_keys
+
+    try:
+        fields = json.loads(args.namespace_json)
+    except json.JSONDecodeError as exc:
+        raise KVStoreError(f"--namespace-json is not JSON: {exc}") from None
+    try:
+        ns = Namespace(**fields)
+    except TypeError as exc:
+        raise KVStoreError(f"--namespace-json: {exc}") from None
+    try:
+        tokens = [int(t) for t in args.tokens.replace(",", " ").split()]
+    except ValueError:
+        raise KVStoreError("--tokens must be integers separated by commas or spaces") from None
+    print(f"namespace {ns.digest().hex()}")
+    for i, key in enumerate(chunk_keys(ns.digest(), tokens, ns.chunk_tokens)):
+        print(f"chunk {i} {key.hex()}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvstore.config_cli import add_cli_flags
+
+    parser = argparse.ArgumentParser(prog="kvstore", description="Tiered KV-cache block store")
+    parser.add_argument("--version", action="version", version=f"kvstore {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the store (gRPC + /metrics)")
+    add_cli_flags(serve)
+    serve.add_argument("--print-config", action="store_true", help="print the merged config")
+    serve.set_defaults(fn=cmd_serve)
+
+    def client_cmd(name: str, help: str, fn):
+        p = sub.add_parser(name, help=help)
+        p.add_argument(
+            "--address",
+            default=os.environ.get("KVSTORE_SERVER_LISTEN", DEFAULT_ADDRESS),
+            help="store address host:port (default $KVSTORE_SERVER_LISTEN or %(default)s)",
+        )
+        p.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+        p.set_defaults(fn=fn)
+        return p
+
+    stats = client_cmd("stats", "capacity, usage, hit rates and counters", cmd_stats)
+    stats.add_argument("--json", action="store_true", help="machine-readable output")
+    explain = client_cmd("explain", "where and why a key chain breaks", cmd_explain)
+    explain.add_argument("keys", nargs="+", help="chunk keys in chain order, hex")
+    explain.add_argument("--namespace", help="namespace digest, hex")
+    explain.add_argument("--lease", type=int, help="a lease id to check for expiry")
+    explain.add_argument("--json", action="store_true")
+    client_cmd("ping", "health check", cmd_ping)
+
+    keys = sub.add_parser("keys", help="compute chunk keys for token ids (no server)")
+    keys.add_argument("--namespace-json", required=True, help="namespace fields as JSON")
+    keys.add_argument("--tokens", required=True, help="token ids, comma or space separated")
+    keys.set_defaults(fn=cmd_keys)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except KVStoreError as exc:
+        code = getattr(getattr(exc, "code", None), "name", "")
+        if code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+            exc = f"cannot reach the store at {args.address} ({code}); is it running?"
+        print(f"kvstore {args.command}: {exc}", file=sys.stderr)
+    except OSError as exc:
+        print(f"kvstore {args.command}: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"kvstore {args.command}: interrupted", file=sys.stderr)
+    return 2 if args.command != "explain" else 4
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,351 @@
+"""Typed clients for the kvstore gRPC service: ``KVStoreClient`` (sync) and
+``AsyncKVStoreClient`` (asyncio).
+
+Both offer ``lookup``, ``get``, ``put``, ``release``, ``delete``, ``stats``,
+``explain``, ``ping`` and ``close``. One channel per client, reused by every
+call; every call has a deadline; idempotent calls are retried on
+``UNAVAILABLE`` with backoff. Errors surface as ``ClientError`` with the gRPC
+status code and the server's message. Payloads come back as zero-copy views
+of the received messages. A client on the same host as the store may ask for
+shared-memory handles (``shm=True``) and copy straight from the DRAM tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import mmap
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore import wire
+from kvstore.pb import SERVICE, pb
+from kvstore.store import LookupResult, PutResult
+from kvstore.types import ChunkRecord, KVStoreError
+
+DEFAULT_MAX_MESSAGE = 65 << 20
+PUT_BATCH_BYTES = 4 << 20
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+
+class ClientError(KVStoreError):
+    """A failed call: ``code`` is the gRPC status, the message is the server's."""
+
+    def __init__(self, method: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{method}: {code.name}: {details}")
+        self.method, self.code, self.details = method, code, details
+
+
+@dataclass(frozen=True, slots=True)
+class ClientOptions:
+    timeout_s: float = 5.0
+    retries: int = 2
+    backoff_s: float = 0.05
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE
+    put_batch_bytes: int = PUT_BATCH_BYTES
+
+
+def _channel_options(opts: ClientOptions) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", opts.max_message_bytes),
+        ("grpc.max_receive_message_length", opts.max_message_bytes),
+    ]
+
+
+def _method(name: str) -> str:
+    return f"/{SERVICE}/{name}"
+
+
+def _batches(records: Sequence[ChunkRecord], limit: int) -> list[bytes]:
+    """PutRequest messages of about ``limit`` bytes each, chunks kept in order."""
+    out, batch, size = [], [], 0
+    for rec in records:
+        n = memoryview(rec.payload).nbytes
+        if batch and size + n > limit:
+            out.append(wire.encode_put_request(batch))
+            batch, size = [], 0
+        batch.append(rec)
+        size += n
+    if batch:
+        out.append(wire.encode_put_request(batch))
+    return out
+
+
+def _put_result(resp: pb.PutResponse) -> PutResult:
+    return PutResult(resp.stored, resp.duplicates, [(r.key, r.reason) for r in resp.rejected])
+
+
+class _ShmReader:
+    """Maps DRAM regions named by the server, once each, read-only."""
+
+    def __init__(self) -> None:
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def view(self, handle: pb.ShmHandle) -> memoryview:
+        region = self._maps.get(handle.region)
+        if region is None:
+            with open(f"/dev/shm/{handle.region}", "rb") as f:
+                region = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+            self._maps[handle.region] = region
+        return memoryview(region)[handle.offset : handle.offset + handle.length]
+
+    def close(self) -> None:
+        for region in self._maps.values():
+            # a caller may still hold a view; then the OS unmaps the region at exit
+            with contextlib.suppress(BufferError):
+                region.close()
+        self._maps.clear()
+
+
+def _decode_get(messages, reader: _ShmReader | None) -> tuple[list, int]:
+    """Payloads (views) from Get messages, and the lease id of shm handles (0 if none)."""
+    payloads, lease_id = [], 0
+    for message in messages:
+        _, payload, shm = wire.parse_chunk(message)
+        if shm is not None and reader is not None:
+            handle = pb.ShmHandle.FromString(bytes(shm))
+            lease_id = handle.lease_id
+            payloads.append(reader.view(handle))
+        elif payload is not None:
+            payloads.append(payload)
+        else:
+            break
+    return payloads, lease_id
+
+
+class KVStoreClient:
+    def __init__(self, target: str, options: ClientOptions | None = None) -> None:
+        self.target = target
+        self.options = options or ClientOptions()
+        self._channel = grpc.insecure_channel(target, options=_channel_options(self.options))
+        ch = self._channel
+        self._lookup = ch.unary_unary(
+            _method("Lookup"), pb.LookupRequest.SerializeToString, pb.LookupResponse.FromString
+        )
+        self._get = ch.unary_stream(_method("Get"), pb.GetRequest.SerializeToString, None)
+        self._put = ch.stream_unary(_method("Put"), None, pb.PutResponse.FromString)
+        self._release = ch.unary_unary(
+            _method("Release"), pb.ReleaseRequest.SerializeToString, pb.ReleaseResponse.FromString
+        )
+        self._delete = ch.unary_unary(
+            _method("Delete"), pb.DeleteRequest.SerializeToString, pb.DeleteResponse.FromString
+        )
+        self._stats = ch.unary_unary(
+            _method("Stats"), pb.StatsRequest.SerializeToString, pb.StatsResponse.FromString
+        )
+        self._explain = ch.unary_unary(
+            _method("Explain"), pb.ExplainRequest.SerializeToString, pb.ExplainResponse.FromString
+        )
+        self._health = health_pb2_grpc.HealthStub(ch)
+        self._shm = _ShmReader()
+
+    def _call(self, name: str, fn, *args, timeout_s: float | None = None, retry: bool = True):
+        timeout = timeout_s if timeout_s is not None else self.options.timeout_s
+        deadline = time.monotonic() + timeout
+        attempt = 0
+        while True:
+            try:
+                return fn(*args, timeout=max(0.001, deadline - time.monotonic()))
+            except grpc.RpcError as exc:
+                code = exc.code()
+                attempt += 1
+                pause = self.options.backoff_s * 2 ** (attempt - 1)
+                if (
+                    not retry
+                    or code not in _RETRYABLE
+                    or attempt > self.options.retries
+                    or time.monotonic() + pause >= deadline
+                ):
+                    raise ClientError(name, code, exc.details() or "") from None
+                time.sleep(pause)
+
+    def lookup(
+        self, keys: Sequence[bytes], lease_ttl_s: float = 0.0, timeout_s: float | None = None
+    ) -> LookupResult:
+        req = pb.LookupRequest(keys=keys, lease_ttl_s=lease_ttl_s)
+        # a retried leased lookup could leave a second lease behind; it just expires
+        resp = self._call("Lookup", self._lookup, req, timeout_s=timeout_s)
+        return LookupResult(resp.matched, list(resp.tiers), resp.lease_id or None)
+
+    def get(
+        self, keys: Sequence[bytes], *, shm: bool = False, timeout_s: float | None = None
+    ) -> list[memoryview]:
+        """Payloads of the longest stored prefix of ``keys``.
+
+        With ``shm`` (same host only) DRAM chunks are copied out of the store's
+        shared memory under a lease that is released before returning.
+        """
+        req = pb.GetRequest(keys=keys, shm=shm)
+        messages = self._call(
+            "Get", lambda r, timeout: list(self._get(r, timeout=timeout)), req, timeout_s=timeout_s
+        )
+        payloads, lease_id = _decode_get(messages, self._shm if shm else None)
+        if lease_id:
+            try:
+                payloads = [memoryview(bytearray(p)) for p in payloads]
+            finally:
+                self.release(lease_id)
+        return payloads
+
+    def get_shm_into(
+        self, keys: Sequence[bytes], dests: Sequence, timeout_s: float | None = None
+    ) -> int:
+        """Copy the stored prefix of ``keys`` into ``dests`` (writable buffers), one per key.
+
+        Returns how many chunks were copied. Uses shared memory for DRAM chunks.
+        """
+        req = pb.GetRequest(keys=keys, shm=True)
+        messages = self._call(
+            "Get", lambda r, timeout: list(self._get(r, timeout=timeout)), req, timeout_s=timeout_s
+        )
+        payloads, lease_id = _decode_get(messages, self._shm)
+        try:
+            for src, dest in zip(payloads, dests):
+                memoryview(dest).cast("B")[: src.nbytes] = src
+        finally:
+            if lease_id:
+                self.release(lease_id)
+        return len(payloads)
+
+    def put(self, records: Sequence[ChunkRecord], timeout_s: float | None = None) -> PutResult:
+        batches = _batches(records, self.options.put_batch_bytes)
+        # Put is idempotent (a stored key is a duplicate), so a retry re-sends all batches.
+        resp = self._call(
+            "Put",
+            lambda b, timeout: self._put(iter(b), timeout=timeout),
+            batches,
+            timeout_s=timeout_s,
+        )
+        return _put_result(resp)
+
+    def release(self, lease_id: int, timeout_s: float | None = None) -> None:
+        self._call(
+            "Release",
+            self._release,
+            pb.ReleaseRequest(lease_id=lease_id),
+            timeout_s=timeout_s,
+            retry=False,
+        )
+
+    def delete(
+        self,
+        keys: Sequence[bytes] = (),
+        namespace: bytes | None = None,
+        timeout_s: float | None = None,
+    ) -> int:
+        req = pb.DeleteRequest(keys=keys, namespace=namespace or b"")
+        return self._call("Delete", self._delete, req, timeout_s=timeout_s).removed
+
+    def stats(self, timeout_s: float | None = None) -> pb.StatsResponse:
+        return self._call("Stats", self._stats, pb.StatsRequest(), timeout_s=timeout_s)
+
+    def explain(
+        self,
+        keys: Sequence[bytes],
+        namespace: bytes | None = None,
+        lease_id: int | None = None,
+        timeout_s: float | None = None,
+    ) -> pb.ExplainResponse:
+        req = pb.ExplainRequest(keys=keys, namespace=namespace or b"", lease_id=lease_id or 0)
+        return self._call("Explain", self._explain, req, timeout_s=timeout_s)
+
+    def ping(self, timeout_s: float | None = None) -> bool:
+        """True when the server's health service says the store is SERVING."""
+        req = health_pb2.HealthCheckRequest(service=SERVICE)
+        resp = self._call("Health", self._health.Check, req, timeout_s=timeout_s)
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    def close(self) -> None:
+        self._shm.close()
+        self._channel.close()
+
+    def __enter__(self) -> KVStoreClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncKVStoreClient:
+    """The asyncio twin of ``KVStoreClient`` (bytes only, no shared memory)."""
+
+    def __init__(self, target: str, options: ClientOptions | None = None) -> None:
+        self.target = target
+        self.options = options or ClientOptions()
+        self._channel = grpc.aio.insecure_channel(target, options=_channel_options(self.options))
+        ch = self._channel
+        self._lookup = ch.unary_unary(
+            _method("Lookup"), pb.LookupRequest.SerializeToString, pb.LookupResponse.FromString
+        )
+        self._get = ch.unary_stream(_method("Get"), pb.GetRequest.SerializeToString, None)
+        self._put = ch.stream_unary(_method("Put"), None, pb.PutResponse.FromString)
+        self._release = ch.unary_unary(
+            _method("Release"), pb.ReleaseRequest.SerializeToString, pb.ReleaseResponse.FromString
+        )
+        self._stats = ch.unary_unary(
+            _method("Stats"), pb.StatsRequest.SerializeToString, pb.StatsResponse.FromString
+        )
+
+    async def _call(self, name: str, coro_fn, timeout_s: float | None, retry: bool = True):
+        timeout = timeout_s if timeout_s is not None else self.options.timeout_s
+        deadline = time.monotonic() + timeout
+        attempt = 0
+        while True:
+            try:
+                return await coro_fn(max(0.001, deadline - time.monotonic()))
+            except grpc.aio.AioRpcError as exc:
+                attempt += 1
+                pause = self.options.backoff_s * 2 ** (attempt - 1)
+                if (
+                    not retry
+                    or exc.code() not in _RETRYABLE
+                    or attempt > self.options.retries
+                    or time.monotonic() + pause >= deadline
+                ):
+                    raise ClientError(name, exc.code(), exc.details() or "") from None
+                await asyncio.sleep(pause)
+
+    async def lookup(
+        self, keys: Sequence[bytes], lease_ttl_s: float = 0.0, timeout_s: float | None = None
+    ) -> LookupResult:
+        req = pb.LookupRequest(keys=keys, lease_ttl_s=lease_ttl_s)
+        resp = await self._call("Lookup", lambda t: self._lookup(req, timeout=t), timeout_s)
+        return LookupResult(resp.matched, list(resp.tiers), resp.lease_id or None)
+
+    async def get(self, keys: Sequence[bytes], timeout_s: float | None = None) -> list[memoryview]:
+        req = pb.GetRequest(keys=keys)
+
+        async def run(t):
+            return [m async for m in self._get(req, timeout=t)]
+
+        messages = await self._call("Get", run, timeout_s)
+        return _decode_get(messages, None)[0]
+
+    async def put(
+        self, records: Sequence[ChunkRecord], timeout_s: float | None = None
+    ) -> PutResult:
+        batches = _batches(records, self.options.put_batch_bytes)
+        resp = await self._call("Put", lambda t: self._put(iter(batches), timeout=t), timeout_s)
+        return _put_result(resp)
+
+    async def release(self, lease_id: int, timeout_s: float | None = None) -> None:
+        req = pb.ReleaseRequest(lease_id=lease_id)
+        await self._call("Release", lambda t: self._release(req, timeout=t), timeout_s, False)
+
+    async def stats(self, timeout_s: float | None = None) -> pb.StatsResponse:
+        return await self._call(
+            "Stats", lambda t: self._stats(pb.StatsRequest(), timeout=t), timeout_s
+        )
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncKVStoreClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,345 @@
+"""The gRPC servicer: translates protobuf to store calls and store errors to status codes.
+
+Offers ``KVStoreService`` (the method implementations) and ``generic_handler``
+(registers them with the hand-coded serializers for ``Get`` and ``Put``).
+Logic lives in ``TieredStore``; this module only validates request limits,
+maps errors and records metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from kvstore import wire
+from kvstore.explain import explain
+from kvstore.pb import SERVICE, pb
+from kvstore.store import ShmRef, TieredStore
+from kvstore.types import (
+    ChunkRecord,
+    InvalidArgument,
+    KVStoreError,
+    NotFound,
+    PayloadError,
+    TierFullError,
+)
+
+log = logging.getLogger(__name__)
+
+_CODES = [
+    (PayloadError, grpc.StatusCode.INVALID_ARGUMENT, "bad_payload"),
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
+    (NotFound, grpc.StatusCode.NOT_FOUND, "not_found"),
+    (TierFullError, grpc.StatusCode.RESOURCE_EXHAUSTED, "tiers_full"),
+    (KVStoreError, grpc.StatusCode.FAILED_PRECONDITION, "failed_precondition"),
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_keys_per_request: int = 65536
+    max_chunk_bytes: int = 64 << 20
+    default_lease_ttl_s: float = 30.0
+    max_lease_ttl_s: float = 600.0
+    shm: bool = True
+
+
+def _status_of(exc: KVStoreError) -> tuple[grpc.StatusCode, str]:
+    for cls, code, reason in _CODES:
+        if isinstance(exc, cls):
+            return code, reason
+    return grpc.StatusCode.FAILED_PRECONDITION, "failed_precondition"
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.code, self.reason = code, reason
+
+
+class KVStoreService:
+    def __init__(self, store: TieredStore, limits: Limits, metrics=None) -> None:
+        self.store = store
+        self.limits = limits
+        self.metrics = metrics
+        self.started = time.monotonic()
+        self._draining = threading.Event()
+
+    def drain(self) -> None:
+        """Refuse new calls with UNAVAILABLE while in-flight ones finish."""
+        self._draining.set()
+
+    # ---- helpers ---------------------------------------------------------------------
+
+    def _keys(self, keys) -> list[bytes]:
+        if len(keys) > self.limits.max_keys_per_request:
+            raise _Abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(keys)} keys in one request; the limit is {self.limits.max_keys_per_request}",
+                "too_many_keys",
+            )
+        for i, key in enumerate(keys):
+            if len(key) != 16:
+                raise _Abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"keys[{i}] is {len(key)} bytes; chunk keys are 16 bytes (xxh3-128)",
+                    "invalid_argument",
+                )
+        return list(keys)
+
+    def _ttl(self, ttl: float) -> float | None:
+        if ttl < 0:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "lease_ttl_s must be >= 0", "bad_ttl")
+        if ttl > self.limits.max_lease_ttl_s:
+            raise _Abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"lease_ttl_s={ttl} exceeds the server's max_lease_ttl_s="
+                f"{self.limits.max_lease_ttl_s}",
+                "bad_ttl",
+            )
+        return ttl or None
+
+    def _call(self, method: str, context: grpc.ServicerContext, fn: Callable[[], object]):
+        """Run ``fn`` with draining, error mapping and metrics around it."""
+        t0 = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            if self._draining.is_set():
+                raise _Abort(
+                    grpc.StatusCode.UNAVAILABLE, "server is shutting down", "shutting_down"
+                )
+            return fn()
+        except _Abort as exc:
+            code = exc.code
+            self._reject(exc.reason)
+            context.abort(exc.code, str(exc))
+        except KVStoreError as exc:
+            code, reason = _status_of(exc)
+            self._reject(reason)
+            context.abort(code, str(exc))
+        except Exception:
+            code = grpc.StatusCode.INTERNAL
+            log.exception("%s failed", method)
+            context.abort(code, f"internal error in {method}; see the server log")
+        finally:
+            if self.metrics is not None:
+                self.metrics.observe_rpc(method, time.perf_counter() - t0, code.name)
+
+    def _reject(self, reason: str, n: int = 1) -> None:
+        if self.metrics is not None:
+            self.metrics.rejected(reason, n)
+
+    def _wire(self, direction: str, n: int) -> None:
+        if self.metrics is not None:
+            self.metrics.bytes_transferred(direction, n)
+
+    # ---- RPCs ------------------------------------------------------------------------
+
+    def Lookup(self, request, context):
+        def run():
+            res = self.store.lookup(self._keys(request.keys), self._ttl(request.lease_ttl_s))
+            return pb.LookupResponse(
+                matched=res.matched, tiers=res.tiers, lease_id=res.lease_id or 0
+            )
+
+        return self._call("Lookup", context, run)
+
+    def Get(self, request, context) -> Iterator[bytes]:
+        # A generator cannot abort after it started streaming, so validate and read first.
+        def run():
+            keys = self._keys(request.keys)
+            if not request.shm:
+                return [wire.encode_chunk(k, p) for k, p in zip(keys, self.store.get(keys))]
+            if not self.limits.shm:
+                raise _Abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "this server does not offer shared memory (server.shm=false); ask for bytes",
+                    "shm_disabled",
+                )
+            ttl = self._ttl(request.lease_ttl_s) or self.limits.default_lease_ttl_s
+            lease_id, refs = self.store.get_shm(keys, ttl)
+            out = []
+            for key, ref in zip(keys, refs):
+                if isinstance(ref, ShmRef):
+                    handle = pb.ShmHandle(
+                        region=ref.region, offset=ref.offset, length=ref.length, lease_id=lease_id
+                    )
+                    out.append(pb.Chunk(key=key, shm=handle).SerializeToString())
+                else:
+                    out.append(wire.encode_chunk(key, ref))
+            return out
+
+        messages = self._call("Get", context, run)
+        self._wire("out", sum(len(m) for m in messages))
+        yield from messages
+
+    def Put(self, request_iterator, context):
+        def run():
+            stored = dups = 0
+            rejected = []
+            for records in request_iterator:
+                if isinstance(records, _Malformed):
+                    raise _Abort(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"malformed PutRequest: {records.error}",
+                        "invalid_argument",
+                    )
+                self._wire("in", sum(memoryview(r.payload).nbytes for r in records))
+                result = self.store.put(self._check_put(records))
+                stored += result.stored
+                dups += result.duplicates
+                rejected += result.rejected
+            for _, reason in rejected:
+                self._reject(reason.split(":")[0].replace(" ", "_"))
+            return pb.PutResponse(
+                stored=stored,
+                duplicates=dups,
+                rejected=[pb.Rejected(key=k, reason=r) for k, r in rejected],
+            )
+
+        return self._call("Put", context, run)
+
+    def _check_put(self, records: list[ChunkRecord]) -> list[ChunkRecord]:
+        self._keys([r.key for r in records])
+        for r in records:
+            size = memoryview(r.payload).nbytes
+            if size > self.limits.max_chunk_bytes:
+                raise _Abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"chunk {r.key.hex()} is {size} bytes; max_chunk_bytes is "
+                    f"{self.limits.max_chunk_bytes}",
+                    "too_large",
+                )
+            if r.parent is not None and len(r.parent) != 16:
+                raise _Abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"parent of {r.key.hex()} is {len(r.parent)} bytes; keys are 16 bytes",
+                    "invalid_argument",
+                )
+            if r.parent is None and len(r.ns) != 32:
+                raise _Abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"chunk {r.key.hex()} starts a chain, so it needs a 32-byte namespace "
+                    f"digest (got {len(r.ns)} bytes)",
+                    "invalid_argument",
+                )
+        return records
+
+    def Release(self, request, context):
+        def run():
+            self.store.release(request.lease_id)
+            return pb.ReleaseResponse()
+
+        return self._call("Release", context, run)
+
+    def Delete(self, request, context):
+        def run():
+            keys = self._keys(request.keys)
+            if not keys and not request.namespace:
+                raise _Abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "name keys or a namespace to delete",
+                    "invalid_argument",
+                )
+            removed = self.store.delete(keys) if keys else 0
+            if request.namespace:
+                removed += self.store.delete_namespace(bytes(request.namespace))
+            return pb.DeleteResponse(removed=removed)
+
+        return self._call("Delete", context, run)
+
+    def Stats(self, request, context):
+        def run():
+            s = self.store.stats()
+            from kvstore import __version__
+
+            return pb.StatsResponse(
+                tiers=[pb.TierStats(**_slots(t)) for t in s.tiers],
+                chunks=s.chunks,
+                lookups=s.lookups,
+                lookup_keys=s.lookup_keys,
+                lookup_hit_keys=s.lookup_hit_keys,
+                put_chunks=s.put_chunks,
+                put_duplicates=s.put_duplicates,
+                rejected=s.rejected,
+                active_leases=s.active_leases,
+                expired_leases=s.expired_leases,
+                namespaces=s.namespaces,
+                write_policy=s.write_policy,
+                version=__version__,
+                uptime_s=time.monotonic() - self.started,
+            )
+
+        return self._call("Stats", context, run)
+
+    def Explain(self, request, context):
+        def run():
+            e = explain(
+                self.store,
+                self._keys(request.keys),
+                bytes(request.namespace) or None,
+                request.lease_id or None,
+            )
+            return pb.ExplainResponse(
+                matched=e.matched,
+                reason=e.reason,
+                detail=e.detail,
+                tier=e.tier or "",
+                seconds_ago=e.seconds_ago or 0.0,
+                tiers=e.tiers,
+            )
+
+        return self._call("Explain", context, run)
+
+
+def _slots(obj) -> dict:
+    return {f: getattr(obj, f) for f in obj.__slots__}
+
+
+def generic_handler(service: KVStoreService) -> grpc.GenericRpcHandler:
+    """Method handlers for ``kvstore.v1.KVStore``; Get and Put bypass protobuf for payloads."""
+
+    def unary(fn, req):
+        return grpc.unary_unary_rpc_method_handler(
+            fn, request_deserializer=req.FromString, response_serializer=_serialize
+        )
+
+    handlers = {
+        "Lookup": unary(service.Lookup, pb.LookupRequest),
+        "Get": grpc.unary_stream_rpc_method_handler(
+            service.Get, request_deserializer=pb.GetRequest.FromString
+        ),
+        "Put": grpc.stream_unary_rpc_method_handler(
+            service.Put,
+            request_deserializer=_parse_put,
+            response_serializer=_serialize,
+        ),
+        "Release": unary(service.Release, pb.ReleaseRequest),
+        "Delete": unary(service.Delete, pb.DeleteRequest),
+        "Stats": unary(service.Stats, pb.StatsRequest),
+        "Explain": unary(service.Explain, pb.ExplainRequest),
+    }
+    return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+
+def _serialize(message) -> bytes:
+    return message.SerializeToString()
+
+
+class _Malformed:
+    """A PutRequest that did not parse; raising here would reach the client as INTERNAL."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _parse_put(data: bytes) -> list[ChunkRecord] | _Malformed:
+    try:
+        return wire.parse_put_request(data)
+    except InvalidArgument as exc:
+        return _Malformed(str(exc))
