@@ -207,6 +207,13 @@ class RadixIndex:
         if len(self._gone) > EVICTION_LOG_SIZE:
             self._gone.popitem(last=False)
 
+    def charge(self, tier: int, nbytes: int) -> None:
+        """Count (or, negative, stop counting) bytes a tier holds outside the tree.
+
+        Deleted chunks that readers still hold under a lease keep their slots.
+        """
+        self.used[tier] += nbytes
+
     def touch(self, nodes: Sequence[Node]) -> None:
         """Record an access to a chain, deepest first so parents end up newer.
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -17,10 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.client import KVStoreClient
 from tests.chunks import chain
-
-ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
-KVSTORE = str(BIN / "kvstore")
+from tests.procs import KVSTORE, Served
 
 
 def write_config(tmp_path: Path, **extra: str) -> Path:
@@ -40,40 +35,6 @@ def write_config(tmp_path: Path, **extra: str) -> Path:
     lines += [f"{k}: {v}" for k, v in extra.items()]
     cfg.write_text("\n".join(lines) + "\n")
     return cfg
-
-
-class Served:
-    """A server subprocess; ``address`` and ``metrics_port`` come from its banner."""
-
-    def __init__(self, argv: list[str], env: dict | None = None) -> None:
-        self.proc = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-            env={**os.environ, **(env or {})},
-        )
-        banner = []
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            banner.append(line)
-            if "metrics:" in line:
-                break
-        text = "".join(banner)
-        m = re.search(r"listening on (\S+)", text)
-        assert m, f"no banner; stdout={text!r} stderr={self.proc.stderr.read()!r}"
-        self.address = m.group(1)
-        port = re.search(r"metrics: http://[^:]+:(\d+)/metrics", text)
-        self.metrics_port = int(port.group(1)) if port else None
-
-    def stop(self) -> tuple[int, str]:
-        self.proc.send_signal(signal.SIGTERM)
-        _, err = self.proc.communicate(timeout=30)
-        return self.proc.returncode, err
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

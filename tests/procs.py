@@ -1,0 +1,73 @@
+"""Real processes for tests: a `kvstore serve` store and its banner."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KVSTORE = str(Path(sys.executable).parent / "kvstore")
+
+
+def store_config(path: Path, lmdb: Path, dram: str = "64MiB", slot: str = "1MiB") -> Path:
+    path.write_text(
+        "\n".join(
+            [
+                "server:",
+                "  listen: 127.0.0.1:0",
+                "  metrics_listen: 127.0.0.1:0",
+                "  grace_s: 5",
+                "dram:",
+                f"  capacity_bytes: {dram}",
+                f"  slot_bytes: {slot}",
+                "nvme:",
+                f"  path: {lmdb}",
+                "  map_size: 512MiB",
+            ]
+        )
+        + "\n"
+    )
+    return path
+
+
+class Served:
+    """A server subprocess; ``address`` and ``metrics_port`` come from its banner."""
+
+    def __init__(self, argv: list[str], env: dict | None = None) -> None:
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+        )
+        banner = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            banner.append(line)
+            if "metrics:" in line:
+                break
+        text = "".join(banner)
+        m = re.search(r"listening on (\S+)", text)
+        assert m, f"no banner; stdout={text!r} stderr={self.proc.stderr.read()!r}"
+        self.address = m.group(1)
+        port = re.search(r"metrics: http://[^:]+:(\d+)/metrics", text)
+        self.metrics_port = int(port.group(1)) if port else None
+
+    def stop(self) -> tuple[int, str]:
+        self.proc.send_signal(signal.SIGTERM)
+        _, err = self.proc.communicate(timeout=30)
+        return self.proc.returncode, err
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.communicate(timeout=30)
