@@ -43,7 +43,7 @@ install-vllm: $(VLLM) $(PB)
 run: install
 	$(PY) server.py
 
-test: install
+test: install install-vllm
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: install

@@ -1,0 +1,1 @@
+"""kvstore's vLLM KV-connector plugin (``connector.vllm.KVStoreConnector``)."""

@@ -1,0 +1,92 @@
+"""The connector's settings, read from ``kv_connector_extra_config`` and checked at start.
+
+Offers ``ConnectorConfig.from_extra(extra, block_size)``: unknown keys and bad
+values raise ``ConnectorConfigError`` naming the key, so a misconfigured
+engine refuses to start instead of silently running without the store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+from kvstore.keys import CODECS
+
+
+class ConnectorConfigError(ValueError):
+    """A ``kv_connector_extra_config`` key is unknown or has a bad value."""
+
+
+def _coerce(key: str, value: object, want: type) -> object:
+    if isinstance(value, bool):
+        pass
+    elif want is float and isinstance(value, (int, float)):
+        return float(value)
+    elif isinstance(value, want):
+        return value
+    raise ConnectorConfigError(
+        f"kv_connector_extra_config.{key} must be {want.__name__}, got {value!r}"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    store: str = "127.0.0.1:50051"
+    chunk_tokens: int = 0  # 0: one chunk per engine block
+    codec: str = "fp8"
+    namespace_salt: str | None = None
+    lookup_timeout_s: float = 0.5
+    load_timeout_s: float = 5.0
+    save_timeout_s: float = 10.0
+    save_queue_depth: int = 8
+    lease_ttl_s: float = 30.0
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, object] | None, block_size: int) -> ConnectorConfig:
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConnectorConfigError(
+                f"kv_connector_extra_config: unknown key {unknown[0]!r}; "
+                f"valid keys: {', '.join(sorted(known))}"
+            )
+        values = {name: _coerce(name, value, _TYPES[name]) for name, value in extra.items()}
+        config = cls(**values)
+        if config.chunk_tokens == 0:
+            config = cls(**{**values, "chunk_tokens": block_size})
+        config._check(block_size)
+        return config
+
+    def _check(self, block_size: int) -> None:
+        def bad(key: str, why: str) -> ConnectorConfigError:
+            return ConnectorConfigError(f"kv_connector_extra_config.{key} {why}")
+
+        if not self.store or ":" not in self.store:
+            raise bad("store", f"must be host:port (or unix:PATH), got {self.store!r}")
+        if self.chunk_tokens <= 0 or self.chunk_tokens % block_size:
+            raise bad(
+                "chunk_tokens",
+                f"must be a positive multiple of the engine's block size {block_size}, "
+                f"got {self.chunk_tokens}",
+            )
+        if self.codec not in CODECS:
+            raise bad("codec", f"must be one of {', '.join(CODECS)}, got {self.codec!r}")
+        for key in ("lookup_timeout_s", "load_timeout_s", "save_timeout_s", "lease_ttl_s"):
+            if getattr(self, key) <= 0:
+                raise bad(key, f"must be positive, got {getattr(self, key)}")
+        if self.save_queue_depth < 1:
+            raise bad("save_queue_depth", f"must be at least 1, got {self.save_queue_depth}")
+
+
+_TYPES = {
+    "store": str,
+    "chunk_tokens": int,
+    "codec": str,
+    "namespace_salt": str,
+    "lookup_timeout_s": float,
+    "load_timeout_s": float,
+    "save_timeout_s": float,
+    "save_queue_depth": int,
+    "lease_ttl_s": float,
+}

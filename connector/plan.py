@@ -1,0 +1,46 @@
+"""What the scheduler half tells the worker half each step (pickled by vLLM).
+
+Offers ``LoadSpec``, ``SaveSpec`` and ``KVStoreMetadata``: plain records, no
+I/O, so the plan can be built and checked without an engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+except ImportError:  # plans are plain data; vLLM only supplies the base class
+
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        pass
+
+
+@dataclass
+class LoadSpec:
+    """Load ``keys`` (chunk keys, in chain order) into ``block_ids``.
+
+    Blocks before ``first_block`` already hold this request's KV (vLLM's own
+    prefix cache) and are shared with other requests: they are never written.
+    """
+
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+    first_block: int
+
+
+@dataclass
+class SaveSpec:
+    """Save the chunks ``keys`` (whose chain continues ``parent``) from ``block_ids``."""
+
+    req_id: str
+    keys: list[bytes]
+    parent: bytes | None
+    block_ids: list[int]
+
+
+@dataclass
+class KVStoreMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)

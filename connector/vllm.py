@@ -1,0 +1,110 @@
+"""``KVStoreConnector``: the vLLM KV-connector (API v1) facade over the two halves.
+
+Load it with::
+
+    kv_transfer_config={"kv_connector": "KVStoreConnector",
+                        "kv_connector_module_path": "connector.vllm",
+                        "kv_role": "kv_both",
+                        "kv_connector_extra_config": {"store": "127.0.0.1:50051",
+                                                      "codec": "fp8"}}
+
+The scheduler process gets a ``SchedulerHalf`` (lookups and plans), each worker
+a ``WorkerHalf`` (loads and saves). ``kv_producer`` only saves, ``kv_consumer``
+only loads, ``kv_both`` does both.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from connector.config import ConnectorConfig
+from connector.namespace import engine_namespace
+from connector.plan import KVStoreMetadata
+from connector.scheduler import SchedulerHalf
+from connector.worker import WorkerHalf
+
+log = logging.getLogger(__name__)
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        block_size = vllm_config.cache_config.block_size
+        self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config, block_size)
+        namespace = engine_namespace(
+            vllm_config, self.config.chunk_tokens, self.config.codec, self.config.namespace_salt
+        )
+        role_name = transfer.kv_role or "kv_both"
+        load = role_name in ("kv_both", "kv_consumer")
+        save = role_name in ("kv_both", "kv_producer")
+        self._scheduler: SchedulerHalf | None = None
+        self._worker: WorkerHalf | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerHalf(
+                self.config, namespace, block_size, load=load, save=save
+            )
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            from connector.layouts import layout_for
+
+            self._worker = WorkerHalf(
+                self.config,
+                namespace,
+                block_size,
+                get_tensor_model_parallel_rank(),
+                lambda kv, name: layout_for(kv, vllm_config, layer_name=name),
+            )
+        log.info("kvstore connector (%s, %s) -> %s", role.name, role_name, self.config.store)
+
+    # ---- scheduler side ----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        return self._scheduler.matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._scheduler.after_alloc(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return self._scheduler.build_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        self._scheduler.finished(request)
+        return False, None
+
+    # ---- worker side -------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches) -> None:
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KVStoreMetadata) and meta.loads:
+            self._worker.load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads finish in ``start_load_kv``, before the first layer runs."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        """Chunks are saved whole, after the last layer, in ``wait_for_save``."""
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KVStoreMetadata) and meta.saves:
+            self._worker.save(meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        for half in (self._worker, self._scheduler):
+            if half is not None:
+                half.close()

@@ -1,0 +1,194 @@
+"""Both connector halves against a real store server, with a real paged CPU cache tensor.
+
+No engine here: the requests are plain records carrying what vLLM's would (an id
+and prompt token ids), and the cache is a tensor in vLLM's CPU layout. The real
+vLLM runs are in ``test_vllm_e2e.py``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from connector.config import ConnectorConfig
+from connector.layouts import CpuLayout
+from connector.plan import KVStoreMetadata, LoadSpec, SaveSpec
+from connector.scheduler import SchedulerHalf
+from connector.worker import WorkerHalf
+from kvstore.client import KVStoreClient
+from kvstore.grpc_server import StoreServer
+from kvstore.keys import Namespace, chunk_keys
+from kvstore.store import TieredStore
+from kvstore.tiers.dram import DramTier
+
+BLOCK, CHUNK, LAYERS, HEADS, DIM = 32, 64, 2, 2, 32
+NS = Namespace("tiny", "r0", LAYERS, HEADS, DIM, CHUNK, "raw", salt="kv_dtype=float32")
+
+
+@pytest.fixture
+def store_address():
+    store = TieredStore([DramTier(64 << 20, 1 << 20)])
+    server = StoreServer(store, "127.0.0.1:0")
+    port = server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop()
+
+
+def config(address: str, **kw) -> ConnectorConfig:
+    return ConnectorConfig.from_extra(
+        {"store": address, "codec": "raw", "chunk_tokens": CHUNK, **kw}, BLOCK
+    )
+
+
+def paged_cache(num_blocks: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.randn(
+            num_blocks, HEADS, BLOCK, 2 * DIM, generator=g
+        )
+        for i in range(LAYERS)
+    }
+
+
+def worker(address: str, caches, **kw) -> WorkerHalf:
+    w = WorkerHalf(config(address, **kw), NS, BLOCK, 0, lambda kv, name: CpuLayout(BLOCK, DIM))
+    w.register(caches)
+    return w
+
+
+def test_saved_chunks_load_into_other_blocks_exactly(store_address):
+    tokens = list(range(1000, 1000 + 4 * CHUNK))
+    keys = chunk_keys(NS.digest(), tokens, CHUNK)
+    src = paged_cache(seed=1)
+    saver = worker(store_address, src)
+    saver.save(KVStoreMetadata(saves=[SaveSpec("a", keys, None, [3, 4, 5, 6, 7, 8, 9, 10])]))
+    assert saver.flush(10) and saver.counters.saved_chunks == 4
+
+    dst = paged_cache(seed=2)
+    before = {n: t.clone() for n, t in dst.items()}
+    loader = worker(store_address, dst)
+    # blocks 12 and 13 already hold this request's first chunk (vLLM's own prefix cache)
+    loader.load(KVStoreMetadata(loads=[LoadSpec("b", keys, [12, 13, 0, 1, 2, 5, 6, 7], 2)]))
+    assert loader.load_errors() == set()
+    layout = CpuLayout(BLOCK, DIM)
+    for name in src:
+        want_k, want_v = layout.gather(src[name], [5, 6, 7, 8, 9, 10])
+        got_k, got_v = layout.gather(dst[name], [0, 1, 2, 5, 6, 7])
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+        # blocks before first_block and blocks outside the plan are untouched
+        for b in (12, 13, 3, 4, 8):
+            assert torch.equal(dst[name][b], before[name][b])
+    assert loader.counters.loaded_tokens == 6 * BLOCK
+    saver.close()
+    loader.close()
+
+
+def test_a_short_load_reports_exactly_the_blocks_it_could_not_fill(store_address):
+    tokens = list(range(4 * CHUNK))
+    keys = chunk_keys(NS.digest(), tokens, CHUNK)
+    src = paged_cache(seed=3)
+    saver = worker(store_address, src)
+    saver.save(KVStoreMetadata(saves=[SaveSpec("a", keys[:2], None, [0, 1, 2, 3])]))
+    saver.flush(10)
+    loader = worker(store_address, paged_cache(seed=4))
+    loader.load(KVStoreMetadata(loads=[LoadSpec("b", keys, list(range(8, 16)), 0)]))
+    assert loader.load_errors() == {12, 13, 14, 15}
+    assert loader.load_errors() == set()  # reported once
+    assert loader.counters.load_failures == 1
+
+
+def test_a_dead_store_fails_every_planned_block_without_raising():
+    loader = worker("127.0.0.1:1", paged_cache(), load_timeout_s=0.5)
+    keys = chunk_keys(NS.digest(), list(range(2 * CHUNK)), CHUNK)
+    loader.load(KVStoreMetadata(loads=[LoadSpec("b", keys, [4, 5, 6, 7], 1)]))
+    assert loader.load_errors() == {5, 6, 7}
+
+
+def test_a_chunk_of_another_geometry_is_not_loaded(store_address):
+    keys = chunk_keys(NS.digest(), list(range(CHUNK)), CHUNK)
+    other = Namespace("tiny", "r0", LAYERS, 1, DIM, CHUNK, "raw")  # one head, not two
+    caches = {n: t[:, :1].contiguous() for n, t in paged_cache().items()}
+    w = WorkerHalf(config(store_address), other, BLOCK, 0, lambda kv, n: CpuLayout(BLOCK, DIM))
+    w.register(caches)
+    w.save(KVStoreMetadata(saves=[SaveSpec("a", keys, None, [0, 1])]))
+    w.flush(10)
+    loader = worker(store_address, paged_cache())
+    loader.load(KVStoreMetadata(loads=[LoadSpec("b", keys, [2, 3], 0)]))
+    assert loader.load_errors() == {2, 3}
+
+
+def test_a_full_save_queue_skips_instead_of_waiting(store_address):
+    keys = chunk_keys(NS.digest(), list(range(8 * CHUNK)), CHUNK)
+    w = worker(store_address, paged_cache(), save_queue_depth=1)
+    w._queue.put_nowait(("x", None, None, None))  # occupy the queue: the sender is not running
+    w.save(KVStoreMetadata(saves=[SaveSpec("a", keys, None, list(range(16)))]))
+    assert w.counters.save_skipped == 8
+
+
+def request(req_id: str, tokens: list[int]):
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens)
+
+
+def test_scheduler_reports_whole_stored_chunks_and_leaves_a_token(store_address):
+    tokens = list(range(500, 500 + 3 * CHUNK))
+    keys = chunk_keys(NS.digest(), tokens, CHUNK)
+    w = worker(store_address, paged_cache())
+    w.save(KVStoreMetadata(saves=[SaveSpec("a", keys, None, list(range(6)))]))
+    w.flush(10)
+    sched = SchedulerHalf(config(store_address), NS, BLOCK)
+    # the whole prompt is stored, but one token must be left to compute: 2 chunks, not 3
+    assert sched.matched_tokens(request("r1", tokens), 0) == 2 * CHUNK
+    # with 64 tokens already computed locally only the rest is reported
+    assert sched.matched_tokens(request("r2", tokens + [7]), CHUNK) == 2 * CHUNK
+    assert sched.matched_tokens(request("r3", [1] * CHUNK + tokens), 0) == 0  # first differs
+    with KVStoreClient(store_address) as client:
+        assert client.stats().active_leases == 2  # r1 and r2 hold theirs
+        sched.finished(request("r1", tokens))
+        sched.finished(request("r2", tokens))
+        assert client.stats().active_leases == 0
+    sched.close()
+
+
+def test_scheduler_gives_zero_quickly_when_the_store_is_down():
+    sched = SchedulerHalf(config("127.0.0.1:1", lookup_timeout_s=0.3), NS, BLOCK)
+    assert sched.matched_tokens(request("r", list(range(4 * CHUNK))), 0) == 0
+    assert sched.lookup_failures == 1
+
+
+def test_scheduler_plans_saves_as_chunks_complete(store_address):
+    sched = SchedulerHalf(config(store_address), NS, BLOCK)
+    tokens = list(range(3 * CHUNK + 10))
+    sched.matched_tokens(request("r", tokens), 0)
+    new = SimpleNamespace(req_id="r", block_ids=([7, 8, 9],), num_computed_tokens=0)
+    empty = SimpleNamespace(
+        req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+    )
+    # chunked prefill: 100 tokens this step -> one full chunk
+    meta = sched.build_meta(
+        SimpleNamespace(
+            scheduled_new_reqs=[new], scheduled_cached_reqs=empty, num_scheduled_tokens={"r": 100}
+        )
+    )
+    assert [(s.keys, s.parent, s.block_ids) for s in meta.saves] == [
+        ([chunk_keys(NS.digest(), tokens, CHUNK)[0]], None, [7, 8])
+    ]
+    cached = SimpleNamespace(
+        req_ids=["r"],
+        resumed_req_ids=set(),
+        new_block_ids=[([10, 11, 12],)],
+        num_computed_tokens=[100],
+    )
+    meta = sched.build_meta(
+        SimpleNamespace(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens={"r": len(tokens) - 100},
+        )
+    )
+    keys = chunk_keys(NS.digest(), tokens, CHUNK)
+    assert [(s.keys, s.parent, s.block_ids) for s in meta.saves] == [
+        (keys[1:3], keys[0], [9, 10, 11, 12])
+    ]
+    sched.close()

