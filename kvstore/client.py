@@ -88,18 +88,30 @@ def _put_result(resp: pb.PutResponse) -> PutResult:
     return PutResult(resp.stored, resp.duplicates, [(r.key, r.reason) for r in resp.rejected])
 
 
-def _writable_u8(dest) -> np.ndarray:
-    """A flat uint8 view of a writable buffer or a contiguous CPU torch tensor, no copy."""
+def _copier(dest):
+    """``copy(src)`` into ``dest``: a writable buffer or a contiguous CPU torch tensor.
+
+    Tensors are filled with torch's own copy, which splits large copies across
+    threads; other buffers with numpy. Neither makes a temporary.
+    """
     if hasattr(dest, "untyped_storage"):  # a torch tensor has no buffer protocol
         import torch
 
         # view, not reshape: a non-contiguous tensor must fail, not be copied into a temporary
-        return dest.view(-1).view(torch.uint8).numpy()
-    return np.frombuffer(dest, dtype=np.uint8)
+        flat = dest.view(-1).view(torch.uint8)
+        return lambda src: flat[: src.nbytes].copy_(torch.frombuffer(src, dtype=torch.uint8))
+    flat_np = np.frombuffer(dest, dtype=np.uint8)
+    return lambda src: np.copyto(flat_np[: src.nbytes], np.frombuffer(src, dtype=np.uint8))
 
 
 class _ShmReader:
-    """Maps DRAM regions named by the server, once each, read-only."""
+    """Maps DRAM regions named by the server, once each.
+
+    The mapping is private: the store's writes show through, and since nothing
+    is ever written here no page is copied, but the views are writable, which
+    lets torch wrap them without a copy or a warning, and a stray write could
+    never reach the store.
+    """
 
     def __init__(self) -> None:
         self._maps: dict[str, mmap.mmap] = {}
@@ -108,7 +120,9 @@ class _ShmReader:
         region = self._maps.get(handle.region)
         if region is None:
             with open(f"/dev/shm/{handle.region}", "rb") as f:
-                region = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+                region = mmap.mmap(
+                    f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+                )
             self._maps[handle.region] = region
         return memoryview(region)[handle.offset : handle.offset + handle.length]
 
@@ -120,20 +134,15 @@ class _ShmReader:
         self._maps.clear()
 
 
-def _decode_get(messages, reader: _ShmReader | None) -> tuple[list, int]:
-    """Payloads (views) from Get messages, and the lease id of shm handles (0 if none)."""
-    payloads, lease_id = [], 0
+def _decode_get(messages) -> list[memoryview]:
+    """Payload views of Get messages, up to the first without one."""
+    payloads = []
     for message in messages:
-        _, payload, shm = wire.parse_chunk(message)
-        if shm is not None and reader is not None:
-            handle = pb.ShmHandle.FromString(bytes(shm))
-            lease_id = handle.lease_id
-            payloads.append(reader.view(handle))
-        elif payload is not None:
-            payloads.append(payload)
-        else:
+        payload = wire.parse_chunk(message)[1]
+        if payload is None:
             break
-    return payloads, lease_id
+        payloads.append(payload)
+    return payloads
 
 
 class KVStoreClient:
@@ -146,6 +155,9 @@ class KVStoreClient:
             _method("Lookup"), pb.LookupRequest.SerializeToString, pb.LookupResponse.FromString
         )
         self._get = ch.unary_stream(_method("Get"), pb.GetRequest.SerializeToString, None)
+        self._get_shm = ch.unary_unary(
+            _method("GetShm"), pb.GetShmRequest.SerializeToString, pb.ShmBatch.FromString
+        )
         self._put = ch.stream_unary(_method("Put"), None, pb.PutResponse.FromString)
         self._release = ch.unary_unary(
             _method("Release"), pb.ReleaseRequest.SerializeToString, pb.ReleaseResponse.FromString
@@ -198,17 +210,45 @@ class KVStoreClient:
         With ``shm`` (same host only) DRAM chunks are copied out of the store's
         shared memory under a lease that is released before returning.
         """
-        req = pb.GetRequest(keys=keys, shm=shm)
+        if not shm:
+            return self._get_bytes(keys, timeout_s)
+        out: list[memoryview] = []
+
+        def copy(i: int, src: memoryview) -> None:
+            out.append(memoryview(bytearray(src)))
+
+        n = self._shm_copy(keys, copy, timeout_s)
+        return out[:n]
+
+    def _get_bytes(self, keys: Sequence[bytes], timeout_s: float | None) -> list[memoryview]:
+        req = pb.GetRequest(keys=keys)
         messages = self._call(
             "Get", lambda r, timeout: list(self._get(r, timeout=timeout)), req, timeout_s=timeout_s
         )
-        payloads, lease_id = _decode_get(messages, self._shm if shm else None)
-        if lease_id:
-            try:
-                payloads = [memoryview(bytearray(p)) for p in payloads]
-            finally:
-                self.release(lease_id)
-        return payloads
+        return _decode_get(messages)
+
+    def _shm_copy(self, keys: Sequence[bytes], copy, timeout_s: float | None) -> int:
+        """``copy(i, view)`` each chunk of the stored prefix; returns how many there were.
+
+        Chunks in shared memory are copied under the batch's lease, which is then
+        released; the rest of the prefix (not in shared memory) comes from ``Get``.
+        """
+        req = pb.GetShmRequest(keys=keys)
+        batch = self._call("GetShm", self._get_shm, req, timeout_s=timeout_s)
+        try:
+            for i, handle in enumerate(batch.handles):
+                copy(i, self._shm.view(handle))
+        finally:
+            if batch.lease_id:
+                with contextlib.suppress(ClientError):  # then the lease simply expires
+                    self.release(batch.lease_id)
+        done = len(batch.handles)
+        if batch.matched > done:
+            rest = self._get_bytes(keys[: batch.matched], timeout_s)
+            for i in range(done, len(rest)):
+                copy(i, rest[i])
+            done = max(done, len(rest))
+        return done
 
     def get_shm_into(
         self, keys: Sequence[bytes], dests: Sequence, timeout_s: float | None = None
@@ -219,18 +259,12 @@ class KVStoreClient:
 
         Returns how many chunks were copied. Uses shared memory for DRAM chunks.
         """
-        req = pb.GetRequest(keys=keys, shm=True)
-        messages = self._call(
-            "Get", lambda r, timeout: list(self._get(r, timeout=timeout)), req, timeout_s=timeout_s
-        )
-        payloads, lease_id = _decode_get(messages, self._shm)
-        try:
-            for src, dest in zip(payloads, dests):
-                np.copyto(_writable_u8(dest)[: src.nbytes], np.frombuffer(src, dtype=np.uint8))
-        finally:
-            if lease_id:
-                self.release(lease_id)
-        return len(payloads)
+        copiers = [_copier(d) for d in dests]
+
+        def copy(i: int, src: memoryview) -> None:
+            copiers[i](src)
+
+        return self._shm_copy(keys[: len(copiers)], copy, timeout_s)
 
     def put(self, records: Sequence[ChunkRecord], timeout_s: float | None = None) -> PutResult:
         batches = _batches(records, self.options.put_batch_bytes)
@@ -344,7 +378,7 @@ class AsyncKVStoreClient:
             return [m async for m in self._get(req, timeout=t)]
 
         messages = await self._call("Get", run, timeout_s)
-        return _decode_get(messages, None)[0]
+        return _decode_get(messages)
 
     async def put(
         self, records: Sequence[ChunkRecord], timeout_s: float | None = None

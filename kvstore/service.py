@@ -167,36 +167,42 @@ class KVStoreService:
         # lease the chunks, first.
         def run():
             keys = self._keys(request.keys)
-            if not request.shm:
-                # a lease as long as the call may last keeps the slots read below from reuse
-                ttl = min(self.limits.max_lease_ttl_s, context.time_remaining() + 1.0)
-                lease_id, payloads = self.store.get_shm(keys, ttl, views=True)
-                return self._encode(keys, payloads, lease_id)
-            if not self.limits.shm:
-                raise _Abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    "this server does not offer shared memory (server.shm=false); ask for bytes",
-                    "shm_disabled",
-                )
-            ttl = self._ttl(request.lease_ttl_s) or self.limits.default_lease_ttl_s
-            lease_id, refs = self.store.get_shm(keys, ttl)
-            if lease_id is not None and not any(isinstance(r, ShmRef) for r in refs):
-                # only handles carry the lease id: with none, no client could release it
-                self.store.release(lease_id)
-            out = []
-            for key, ref in zip(keys, refs):
-                if isinstance(ref, ShmRef):
-                    handle = pb.ShmHandle(
-                        region=ref.region, offset=ref.offset, length=ref.length, lease_id=lease_id
-                    )
-                    out.append(pb.Chunk(key=key, shm=handle).SerializeToString())
-                else:
-                    out.append(wire.encode_chunk(key, ref))
-            return out
+            # a lease as long as the call may last keeps the slots read below from reuse
+            ttl = min(self.limits.max_lease_ttl_s, context.time_remaining() + 1.0)
+            lease_id, payloads = self.store.get_shm(keys, ttl, views=True)
+            return self._encode(keys, payloads, lease_id)
 
         for message in self._call("Get", context, run):
             self._wire("out", len(message))
             yield message
+
+    def GetShm(self, request, context):
+        """All handles in one message: a streamed message each costs more than its copy."""
+
+        def run():
+            if not self.limits.shm:
+                raise _Abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "this server does not offer shared memory (server.shm=false); use Get",
+                    "shm_disabled",
+                )
+            keys = self._keys(request.keys)
+            ttl = self._ttl(request.lease_ttl_s) or self.limits.default_lease_ttl_s
+            lease_id, refs = self.store.get_shm(keys, ttl)
+            handles = []
+            for ref in refs:
+                if not isinstance(ref, ShmRef):
+                    break
+                handles.append(
+                    pb.ShmHandle(region=ref.region, offset=ref.offset, length=ref.length)
+                )
+            if lease_id is not None and not handles:
+                # the lease id travels with handles only: with none, no client could release it
+                self.store.release(lease_id)
+                lease_id = None
+            return pb.ShmBatch(matched=len(refs), lease_id=lease_id or 0, handles=handles)
+
+        return self._call("GetShm", context, run)
 
     def _encode(self, keys: list[bytes], payloads: list, lease_id: int | None) -> Iterator[bytes]:
         """Chunk messages made one at a time, each with one copy out of its DRAM slot.
@@ -354,6 +360,7 @@ def generic_handler(service: KVStoreService) -> grpc.GenericRpcHandler:
             request_deserializer=_parse_put,
             response_serializer=_serialize,
         ),
+        "GetShm": unary(service.GetShm, pb.GetShmRequest),
         "Release": unary(service.Release, pb.ReleaseRequest),
         "Delete": unary(service.Delete, pb.DeleteRequest),
         "Stats": unary(service.Stats, pb.StatsRequest),

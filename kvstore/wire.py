@@ -76,18 +76,16 @@ def encode_chunk(key: bytes, payload: bytes | bytearray | memoryview) -> bytes:
     return b"".join((chunk_prefix(key, memoryview(payload).nbytes), payload))
 
 
-def parse_chunk(message: bytes) -> tuple[bytes, memoryview | None, memoryview | None]:
-    """(key, payload view or None, serialized ShmHandle view or None) of a ``Chunk``."""
+def parse_chunk(message: bytes) -> tuple[bytes, memoryview | None]:
+    """(key, payload view or None) of a ``Chunk``."""
     key = b""
-    payload = shm = None
+    payload = None
     for field, value in _fields(memoryview(message)):
         if field == 1 and isinstance(value, memoryview):
             key = bytes(value)
         elif field == 2 and isinstance(value, memoryview):
             payload = value
-        elif field == 3 and isinstance(value, memoryview):
-            shm = value
-    return key, payload, shm
+    return key, payload
 
 
 def encode_put_request(records: Sequence[ChunkRecord]) -> bytes:

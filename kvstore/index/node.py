@@ -109,6 +109,24 @@ class RecencyList:
         setattr(node, n, None)
         self.count -= 1
 
+    def move_to_newest(self, seq: list[Node]) -> None:
+        """Make ``seq`` (oldest first) the newest run of the list.
+
+        A hot prefix is looked up again and again; when it already is the
+        newest run, in order, nothing is relinked.
+        """
+        p, head = self._p, self.head
+        cur = getattr(head, p)
+        for node in reversed(seq):
+            if cur is not node:
+                break
+            cur = getattr(cur, p)
+        else:
+            return
+        for node in seq:
+            self.unlink(node)
+            self.push_newest(node)
+
     def oldest_first(self) -> Iterator[Node]:
         n, head = self._n, self.head
         node = getattr(head, n)

@@ -220,13 +220,14 @@ class RadixIndex:
         Keeping parents newer than their children lets the last tier find
         droppable leaves at the old end of its list.
         """
-        if not self.policy.refresh_on_access:
+        if not self.policy.refresh_on_access or not nodes:
             return
-        for node in reversed(nodes):
-            tiers = node.tiers
-            for t in range(len(self.tiers)):
-                if tiers >> t & 1:
-                    self._refresh(node, t)
+        order = nodes[::-1]
+        for t, lst in enumerate(self._lists):
+            bit = 1 << t
+            members = [n for n in order if n.tiers & bit]
+            if members:
+                lst.move_to_newest(members)
 
     def _refresh(self, node: Node, tier: int) -> None:
         if self.policy.refresh_on_access:

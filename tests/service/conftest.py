@@ -117,6 +117,9 @@ class RawStub:
         ch = self.channel
         m = f"/{SERVICE}/"
         self.get = ch.unary_stream(m + "Get", pb.GetRequest.SerializeToString, pb.Chunk.FromString)
+        self.get_shm = ch.unary_unary(
+            m + "GetShm", pb.GetShmRequest.SerializeToString, pb.ShmBatch.FromString
+        )
         self.put = ch.stream_unary(m + "Put", None, pb.PutResponse.FromString)
         self.release = ch.unary_unary(
             m + "Release", pb.ReleaseRequest.SerializeToString, pb.ReleaseResponse.FromString

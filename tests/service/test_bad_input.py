@@ -80,7 +80,7 @@ def test_an_expired_lease_is_not_held_back_by_a_nan_one(serve, raw_stub):
     with KVStoreClient(served.address) as c:
         c.put(records)
         with pytest.raises(grpc.RpcError) as err:
-            list(stub.get(pb.GetRequest(keys=keys_of(records), shm=True, lease_ttl_s=math.nan)))
+            stub.get_shm(pb.GetShmRequest(keys=keys_of(records), lease_ttl_s=math.nan))
         assert err.value.code() == INVALID
         short = c.lookup(keys_of(records), lease_ttl_s=0.01).lease_id
         assert short

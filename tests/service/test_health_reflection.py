@@ -65,6 +65,7 @@ def test_reflection_lists_the_services_and_describes_kvstore(served):
         assert {m.name for m in service.method} == {
             "Lookup",
             "Get",
+            "GetShm",
             "Put",
             "Release",
             "Delete",

@@ -67,11 +67,8 @@ def test_chunks_only_lmdb_holds_come_back_as_bytes_in_shm_mode(
     first.server.stop()
 
     second = serve(open_store(path=tmp_path / "db"))
-    chunks = list(raw_stub(second.address).get(pb.GetRequest(keys=keys_of(records), shm=True)))
-    assert [c.key for c in chunks] == keys_of(records)
-    assert [c.payload for c in chunks] == payloads_of(records)
-    assert not any(c.HasField("shm") for c in chunks)
-
+    batch = raw_stub(second.address).get_shm(pb.GetShmRequest(keys=keys_of(records)))
+    assert (batch.matched, len(batch.handles), batch.lease_id) == (3, 0, 0)
     assert second.store.stats().active_leases == 0  # no handle, so no lease left behind
 
     with KVStoreClient(second.address) as c:
@@ -90,11 +87,11 @@ def test_a_deleted_chunk_keeps_its_slot_until_the_shm_lease_ends(serve, open_sto
     stub = raw_stub(served.address)
     with KVStoreClient(served.address) as client:
         client.put(a)
-        chunks = list(stub.get(pb.GetRequest(keys=keys_of(a), shm=True, lease_ttl_s=30)))
-        handles = [ch.shm for ch in chunks]
+        batch = stub.get_shm(pb.GetShmRequest(keys=keys_of(a), lease_ttl_s=30))
+        handles = list(batch.handles)
         assert len(handles) == 3 and all(h.region == dram.region_name for h in handles)
-        lease = handles[0].lease_id
-        assert lease and {h.lease_id for h in handles} == {lease}
+        lease = batch.lease_id
+        assert lease
 
         assert client.delete([a[0].key]) == 3
         assert client.lookup(keys_of(a)).matched == 0
@@ -108,10 +105,11 @@ def test_a_deleted_chunk_keeps_its_slot_until_the_shm_lease_ends(serve, open_sto
         stub.release(pb.ReleaseRequest(lease_id=lease))
         assert dram.free_slots == 3
         client.put(c)
-        c_handles = [ch.shm for ch in stub.get(pb.GetRequest(keys=keys_of(c), shm=True))]
+        c_batch = stub.get_shm(pb.GetShmRequest(keys=keys_of(c)))
+        c_handles = list(c_batch.handles)
         assert {h.offset for h in c_handles} & {h.offset for h in handles}  # slots reused
         assert [read_region(h) for h in c_handles] == payloads_of(c)
-        stub.release(pb.ReleaseRequest(lease_id=c_handles[0].lease_id))
+        stub.release(pb.ReleaseRequest(lease_id=c_batch.lease_id))
         assert client.stats().active_leases == 0
 
 
@@ -121,9 +119,9 @@ def test_a_read_that_cannot_promote_still_returns_the_bytes(serve, open_store, r
     stub = raw_stub(served.address)
     with KVStoreClient(served.address) as client:
         client.put(a)
-        (first, *_) = stub.get(pb.GetRequest(keys=keys_of(a), shm=True, lease_ttl_s=30))
+        first = stub.get_shm(pb.GetShmRequest(keys=keys_of(a), lease_ttl_s=30))
         client.delete([a[0].key])
         client.put(b)  # only two slots are free: b's oldest chunk is demoted to LMDB
         assert client.lookup(keys_of(b)).tiers == ["nvme", "dram", "dram"]
         assert [bytes(p) for p in client.get(keys_of(b))] == payloads_of(b)
-        stub.release(pb.ReleaseRequest(lease_id=first.shm.lease_id))
+        stub.release(pb.ReleaseRequest(lease_id=first.lease_id))

@@ -12,14 +12,8 @@ def test_chunk_matches_protobuf_both_ways(size):
     key, payload = b"k" * 16, bytes(range(256)) * (size // 256) + b"x" * (size % 256)
     ours = wire.encode_chunk(key, payload)
     assert ours == pb.Chunk(key=key, payload=payload).SerializeToString()
-    k, p, shm = wire.parse_chunk(ours)
-    assert k == key and bytes(p) == payload and shm is None
-
-
-def test_chunk_with_shm_handle_parses():
-    msg = pb.Chunk(key=b"k" * 16, shm=pb.ShmHandle(region="r", offset=4096, length=9, lease_id=7))
-    key, payload, shm = wire.parse_chunk(msg.SerializeToString())
-    assert payload is None and pb.ShmHandle.FromString(bytes(shm)).lease_id == 7
+    k, p = wire.parse_chunk(ours)
+    assert k == key and bytes(p) == payload
 
 
 def test_put_request_matches_protobuf_both_ways():
