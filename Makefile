@@ -50,6 +50,7 @@ bench: install
 	@mkdir -p benchmarks/results
 	$(PY) benchmarks/bench_index.py --quick
 	$(PY) benchmarks/bench_tiers.py --quick
+	$(PY) benchmarks/bench_service.py --quick
 
 proto: $(CORE)
 	$(PROTOC)
