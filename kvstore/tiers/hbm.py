@@ -18,7 +18,7 @@ import numpy as np
 from kvstore.tiers.base import StoredChunk
 from kvstore.tiers.buffers import as_u8
 from kvstore.tiers.slots import SlotTable
-from kvstore.types import ChunkKey, ChunkRecord, InvalidArgument, KVStoreError, check_key
+from kvstore.types import ChunkKey, ChunkRecord, InvalidArgument, KVStoreError
 
 
 def _cupy() -> ModuleType:
@@ -68,13 +68,7 @@ class HbmTier:
     def write(self, records: Sequence[ChunkRecord]) -> None:
         """Copy a batch host to device, all or nothing; ``TierFullError`` if slots run out."""
         slab = self._live()
-        latest = {check_key(r.key): as_u8(r.payload) for r in records}
-        for key, src in latest.items():
-            if src.nbytes > self.slot_bytes:
-                raise InvalidArgument(
-                    f"{self.name}: payload of {src.nbytes} B for key {key.hex()} exceeds "
-                    f"slot_bytes={self.slot_bytes}; raise slot_bytes or use smaller chunks"
-                )
+        latest = self._table.payloads_by_key(records)
         keys = list(latest)
         with self._mutate:
             slots = self._table.reserve(keys)

@@ -1,6 +1,7 @@
 """Bookkeeping for a memory region cut into equal slots (shared by the dram and hbm tiers).
 
 No I/O: it only decides which slot holds which key. Offers ``SlotTable`` with
+``payloads_by_key(records)`` (a batch checked against the slot size),
 ``reserve(keys)`` (all or nothing, ``TierFullError``), ``commit(keys, slots, lengths)``
 (publish a reserved batch), ``abort(keys, slots)``, ``lookup(key)``, ``remove(keys)``,
 ``free_slots`` and ``used_slots``. A write reserves, copies its bytes, then commits,
@@ -17,7 +18,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from kvstore.types import ChunkKey, InvalidArgument, TierFullError
+import numpy as np
+
+from kvstore.tiers.buffers import as_u8
+from kvstore.types import ChunkKey, ChunkRecord, InvalidArgument, TierFullError, check_key
 
 
 class SlotTable:
@@ -29,6 +33,17 @@ class SlotTable:
         self.slot_bytes = slot_bytes
         self._free: deque[int] = deque(range(num_slots))
         self._where: dict[ChunkKey, tuple[int, int]] = {}
+
+    def payloads_by_key(self, records: Sequence[ChunkRecord]) -> dict[ChunkKey, np.ndarray]:
+        """A batch's payloads as byte views, the last one per key, each checked to fit a slot."""
+        latest = {check_key(r.key): as_u8(r.payload) for r in records}
+        for key, src in latest.items():
+            if src.nbytes > self.slot_bytes:
+                raise InvalidArgument(
+                    f"{self.tier}: payload of {src.nbytes} B for key {key.hex()} exceeds "
+                    f"slot_bytes={self.slot_bytes}; raise slot_bytes or use smaller chunks"
+                )
+        return latest
 
     @property
     def free_slots(self) -> int:
