@@ -192,3 +192,26 @@ def test_scheduler_plans_saves_as_chunks_complete(store_address):
         (keys[1:3], keys[0], [9, 10, 11, 12])
     ]
     sched.close()
+
+
+def test_with_tensor_parallelism_a_chunk_hits_only_when_every_rank_stored_its_part(
+    store_address,
+):
+    ns2 = Namespace("tiny", "r0", LAYERS, 2 * HEADS, DIM, CHUNK, "raw", tp_size=2)
+    tokens = list(range(3 * CHUNK))
+    keys = chunk_keys(ns2.digest(), tokens, CHUNK)
+
+    def rank_worker(rank: int) -> WorkerHalf:
+        w = WorkerHalf(config(store_address), ns2, BLOCK, rank, lambda kv, n: CpuLayout(BLOCK, DIM))
+        w.register(paged_cache(seed=rank))
+        return w
+
+    sched = SchedulerHalf(config(store_address), ns2, BLOCK)
+    rank0, rank1 = rank_worker(0), rank_worker(1)
+    rank0.save(KVStoreMetadata(saves=[SaveSpec("a", keys, None, list(range(6)))]))
+    rank0.flush(10)
+    assert sched.matched_tokens(request("r1", tokens), 0) == 0  # rank 1's parts are missing
+    rank1.save(KVStoreMetadata(saves=[SaveSpec("a", keys[:1], None, [0, 1])]))
+    rank1.flush(10)
+    assert sched.matched_tokens(request("r2", tokens), 0) == CHUNK  # both ranks: chunk 0 only
+    sched.close()
