@@ -21,7 +21,8 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvstore.index import EvictionPlan, Node, RadixIndex, TierSpec
+from kvstore.index import Node, RadixIndex, TierSpec
+from kvstore.mover import Mover
 from kvstore.payload import parse_payload
 from kvstore.stats import StoreStats, TierStats
 from kvstore.tiers.base import Tier
@@ -30,7 +31,6 @@ from kvstore.types import (
     ChunkKey,
     ChunkRecord,
     InvalidArgument,
-    KVStoreError,
     NotFound,
     TierFullError,
     check_key,
@@ -105,8 +105,8 @@ class TieredStore:
         self.last = len(tiers) - 1
         self._persist = tiers[-1].persistent and len(tiers) > 1 and write_policy != "none"
         self._lock = threading.RLock()
-        self._leased_garbage: list[tuple[Node, int]] = []  # (node, tier)
         self._tstats = [TierStats(t.name, t.capacity_bytes) for t in tiers]
+        self._mover = Mover(self.index, self.tiers, self._tstats)
         self._stats = StoreStats(tiers=self._tstats, write_policy=write_policy)
         if tiers[-1].persistent:
             self._rebuild()
@@ -117,10 +117,8 @@ class TieredStore:
         """Rebuild the index from the persistent tier, parents before children."""
         tier = self.tiers[-1]
         by_parent: dict[bytes | None, list] = {}
-        present: set[bytes] = set()
         for chunk in tier.scan():
             by_parent.setdefault(chunk.parent, []).append(chunk)
-            present.add(chunk.key)
         frontier = by_parent.pop(None, [])
         while frontier:
             nxt = []
@@ -169,7 +167,11 @@ class TieredStore:
                     continue
                 if parent is not None and rec.ns != parent.ns:
                     rec = dataclasses.replace(rec, ns=parent.ns)  # a chain has one namespace
-                self._admit(rec)
+                try:
+                    self._mover.admit(rec)
+                except TierFullError:
+                    self._reject("tiers_full")
+                    raise
                 new.append(rec)
                 stored += 1
             if self._persist and self.write_policy == "write_through" and self.last > 0:
@@ -198,31 +200,6 @@ class TieredStore:
         """Count a refusal under a short, fixed code (a metrics label, so never free text)."""
         self._stats.rejected[code] = self._stats.rejected.get(code, 0) + 1
 
-    def _admit(self, rec: ChunkRecord) -> None:
-        """Write one new chunk into the fastest tier that can make room for it."""
-        size = memoryview(rec.payload).nbytes
-        for t, tier in enumerate(self.tiers):
-            if size > getattr(tier, "slot_bytes", size):
-                continue
-            if t == self.last and rec.parent is not None:
-                parent = self.index.get(rec.parent)
-                if parent is not None and not parent.in_tier(t):
-                    self._copy_down(self.index.missing_ancestors(parent, t) + [parent], t)
-            keep = [rec.parent] if rec.parent is not None else []
-            plan = self.index.plan_eviction(t, tier.cost(size), keep)
-            if plan is None:
-                continue
-            self._execute(plan)
-            try:
-                tier.write([rec])
-            except (TierFullError, InvalidArgument):
-                continue
-            self.index.add(rec.key, rec.parent, rec.ns, size, t)
-            self._tstats[t].bytes_in += size
-            return
-        self._reject("tiers_full")
-        raise TierFullError(f"no tier can admit a chunk of {size} bytes; all are full or leased")
-
     def _write_behind(self, records: list[ChunkRecord]) -> None:
         """Persist freshly admitted chunks (write_through), keeping the last tier prefix-closed."""
         batch: list[ChunkRecord] = []
@@ -234,65 +211,16 @@ class TieredStore:
             for anc in self.index.missing_ancestors(node, self.last):
                 if anc.key not in seen:
                     seen.add(anc.key)
-                    batch.append(self._record_of(anc))
+                    batch.append(self._mover.record_of(anc))
             seen.add(rec.key)
             batch.append(rec)
         if not batch:
             return
         try:
-            self._copy_records(batch, self.last)
+            self._mover.copy_records(batch, self.last)
         except TierFullError as exc:
             log.warning("write-through skipped: %s", exc)
             self._reject("write_through_full")
-
-    def _copy_down(self, nodes: list[Node], dst: int) -> None:
-        self._copy_records([self._record_of(n) for n in nodes], dst)
-
-    def _record_of(self, node: Node) -> ChunkRecord:
-        """A node's bytes, copied out of the fastest tier that holds them."""
-        src = self.index.top_tier(node)
-        (payload,) = self.tiers[src].read([node.key])
-        if payload is None:
-            raise KVStoreError(f"chunk {node.key.hex()} vanished from {self.tiers[src].name}")
-        parent = node.parent.key if node.parent else None
-        return ChunkRecord(node.key, parent, node.ns, bytearray(payload))
-
-    def _copy_records(self, records: list[ChunkRecord], dst: int) -> None:
-        tier = self.tiers[dst]
-        total = sum(tier.cost(memoryview(r.payload).nbytes) for r in records)
-        keep = [r.parent for r in records if r.parent is not None]
-        plan = self.index.plan_eviction(dst, total, keep)
-        if plan is None:
-            raise TierFullError(f"{tier.name} cannot make room for {total} bytes")
-        self._execute(plan)
-        tier.write(records)
-        for r in records:
-            size = memoryview(r.payload).nbytes
-            self.index.add(r.key, r.parent, r.ns, size, dst)
-            self._tstats[dst].bytes_in += size
-
-    def _execute(self, plan: EvictionPlan) -> None:
-        """Move bytes as planned: copy first, then update the index, then free."""
-        for step in plan.steps:
-            node = step.node
-            if self.index.get(node.key) is not node:
-                continue  # removed by an earlier step that found its bytes corrupt
-            if step.dst is not None and not node.in_tier(step.dst):
-                (payload,) = self.tiers[step.src].read([node.key])
-                if payload is None:
-                    self._tstats[step.src].corrupt += 1
-                    self._drop_subtree(node.key, "corrupt")
-                    continue
-                parent = node.parent.key if node.parent else None
-                self.tiers[step.dst].write([ChunkRecord(node.key, parent, node.ns, payload)])
-                self._tstats[step.dst].demotions_in += 1
-            self.index.apply(step)
-            if not step.keep_src:
-                self.tiers[step.src].delete([node.key])
-                self._tstats[step.src].evictions += 1
-
-    def _drop_subtree(self, key: bytes, reason: str) -> None:
-        self._free(self.index.delete([key], reason=reason))
 
     # ---- reads ---------------------------------------------------------------------
 
@@ -396,7 +324,7 @@ class TieredStore:
             for i, payload in zip(idx, payloads, strict=False):
                 if payload is None:
                     self._tstats[last].corrupt += 1
-                    self._drop_subtree(nodes[i].key, "corrupt or missing value")
+                    self._mover.drop_subtree(nodes[i].key, "corrupt or missing value")
                     break
                 out[i] = payload
                 hits.append((nodes[i], payload))
@@ -412,7 +340,7 @@ class TieredStore:
             plan = self.index.plan_eviction(0, top.cost(len(payload)))
             if plan is None:
                 return
-            self._execute(plan)
+            self._mover.execute(plan)
             parent = node.parent.key if node.parent else None
             try:
                 top.write([ChunkRecord(node.key, parent, node.ns, payload)])
@@ -446,7 +374,7 @@ class TieredStore:
     def release(self, lease_id: int) -> None:
         with self._lock:
             self.index.release(lease_id)
-            self._collect_garbage()
+            self._mover.collect_garbage()
 
     # ---- deletion, stats, lifecycle -----------------------------------------------
 
@@ -455,7 +383,7 @@ class TieredStore:
         _check_keys(keys)
         with self._lock:
             removed = self.index.delete(keys)
-            self._free(removed)
+            self._mover.free(removed)
         return len(removed)
 
     def delete_namespace(self, ns: bytes) -> int:
@@ -464,46 +392,12 @@ class TieredStore:
             if ns not in self.index.namespaces():
                 raise NotFound(f"namespace {ns.hex()} has no stored chunks")
             removed = self.index.delete_namespace(ns)
-            self._free(removed)
+            self._mover.free(removed)
         return len(removed)
-
-    def _free(self, removed: list[tuple[Node, int]]) -> None:
-        """Free the bytes of removed nodes; shared-memory slots under a lease wait.
-
-        Same-host readers copy straight out of DRAM slots under a lease, so such
-        a slot must not be reused until that lease is released or expires.
-        Other tiers are read under the store's lock or in a transaction.
-        """
-        for t, tier in enumerate(self.tiers):
-            shared = hasattr(tier, "region_name")
-            keys = []
-            for node, mask in removed:
-                if mask >> t & 1:
-                    if shared and node.leases:
-                        self._leased_garbage.append((node, t))
-                        self.index.charge(t, tier.cost(node.size))
-                    else:
-                        keys.append(node.key)
-            if keys:
-                tier.delete(keys)
 
     def _expire(self) -> None:
         self.index.expire_leases()
-        self._collect_garbage()
-
-    def _collect_garbage(self, force: bool = False) -> None:
-        """Free deleted slots whose last lease has ended (called under the lock)."""
-        if not self._leased_garbage:
-            return
-        keep = []
-        for node, t in self._leased_garbage:
-            if node.leases and not force:
-                keep.append((node, t))
-                continue
-            self.index.charge(t, -self.tiers[t].cost(node.size))
-            if self.index.get(node.key) is None:  # not stored again since
-                self.tiers[t].delete([node.key])
-        self._leased_garbage = keep
+        self._mover.collect_garbage()
 
     def stats(self) -> StoreStats:
         with self._lock:
@@ -526,7 +420,7 @@ class TieredStore:
         with self._lock:
             pending = [n for n in self._tree_order() if not n.in_tier(self.last)]
             if pending:
-                self._copy_down(pending, self.last)
+                self._mover.copy_down(pending, self.last)
 
     def _tree_order(self) -> list[Node]:
         roots = [n for n in self.index.nodes() if n.parent is None]
@@ -541,6 +435,6 @@ class TieredStore:
         if self.write_policy == "write_back":
             self.flush()
         with self._lock:
-            self._collect_garbage(force=True)
+            self._mover.collect_garbage(force=True)
             for tier in self.tiers:
                 tier.close()
