@@ -155,7 +155,14 @@ class WorkerHalf:
             blocks = spec.block_ids[j * bpc : (j + 1) * bpc]
             if self._queue.full():
                 # never stall the engine: later chunks of this chain lose their parent too
-                self.counters.save_skipped += len(spec.keys) - j
+                skipped = len(spec.keys) - j
+                if self.counters.save_skipped == 0:
+                    log.warning(
+                        "kvstore save queue full (save_queue_depth=%d): skipping chunks; "
+                        "the store is slower than the engine",
+                        self.config.save_queue_depth,
+                    )
+                self.counters.save_skipped += skipped
                 return
             ks, vs = zip(*(self._layout.gather(cache, blocks) for cache in self._layers))
             # the copies above are the engine's data now; encoding can wait for the thread
