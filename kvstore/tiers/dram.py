@@ -20,14 +20,13 @@ import mmap
 import os
 import secrets
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from multiprocessing import shared_memory
 
 import numpy as np
 
-from kvstore.tiers.base import StoredChunk
 from kvstore.tiers.buffers import as_u8
-from kvstore.tiers.slots import SlotTable
+from kvstore.tiers.slots import SlotTable, SlotTierOps
 from kvstore.types import ChunkKey, ChunkRecord, InvalidArgument, KVStoreError
 
 SHM_DIR = "/dev/shm"
@@ -47,7 +46,7 @@ def attach_region(name: str) -> mmap.mmap:
         os.close(fd)
 
 
-class DramTier:
+class DramTier(SlotTierOps):
     persistent = False
 
     def __init__(
@@ -81,13 +80,6 @@ class DramTier:
         self._arr: np.ndarray | None = np.frombuffer(self._shm.buf, dtype=np.uint8)
         # Touch every page now so the first writes run at copy speed, not fault speed.
         self._arr.fill(0)
-
-    def cost(self, nbytes: int) -> int:
-        return self.slot_bytes
-
-    @property
-    def free_slots(self) -> int:
-        return self._table.free_slots
 
     def write(self, records: Sequence[ChunkRecord]) -> None:
         """Store a batch, all or nothing: ``TierFullError`` if the free slots do not suffice."""
@@ -127,20 +119,6 @@ class DramTier:
         np.copyto(out[:length], arr[off : off + length])
         return length
 
-    def slot_handle(self, key: ChunkKey) -> tuple[int, int] | None:
-        """``(byte offset in the region, length)`` of a stored chunk, else None."""
-        where = self._table.lookup(key)
-        if where is None:
-            return None
-        return where[0] * self.slot_bytes, where[1]
-
-    def delete(self, keys: Sequence[ChunkKey]) -> None:
-        with self._mutate:
-            self._table.remove(keys)
-
-    def scan(self) -> Iterator[StoredChunk]:
-        return iter(())
-
     def close(self) -> None:
         """Unmap and unlink the region. Idempotent."""
         if self._arr is None:
@@ -156,9 +134,6 @@ class DramTier:
         if self._arr is None:
             raise KVStoreError(f"{self.name} tier is closed")
         return self._arr
-
-    def __len__(self) -> int:
-        return len(self._table)
 
 
 def _check_shm_room(nbytes: int) -> None:

@@ -10,14 +10,13 @@ GPU never need it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from types import ModuleType
 
 import numpy as np
 
-from kvstore.tiers.base import StoredChunk
 from kvstore.tiers.buffers import as_u8
-from kvstore.tiers.slots import SlotTable
+from kvstore.tiers.slots import SlotTable, SlotTierOps
 from kvstore.types import ChunkKey, ChunkRecord, InvalidArgument, KVStoreError
 
 
@@ -32,7 +31,7 @@ def _cupy() -> ModuleType:
     return cupy
 
 
-class HbmTier:
+class HbmTier(SlotTierOps):
     persistent = False
 
     def __init__(
@@ -57,13 +56,6 @@ class HbmTier:
                 dtype=self._cp.uint8,
                 memptr=self._cp.cuda.MemoryPointer(mem, 0),
             )
-
-    def cost(self, nbytes: int) -> int:
-        return self.slot_bytes
-
-    @property
-    def free_slots(self) -> int:
-        return self._table.free_slots
 
     def write(self, records: Sequence[ChunkRecord]) -> None:
         """Copy a batch host to device, all or nothing; ``TierFullError`` if slots run out."""
@@ -110,26 +102,12 @@ class HbmTier:
             slab[off : off + length].get(out=out[:length])
         return length
 
-    def slot_handle(self, key: ChunkKey) -> tuple[int, int] | None:
-        """``(byte offset in the slab, length)`` of a stored chunk, else None."""
-        where = self._table.lookup(key)
-        if where is None:
-            return None
-        return where[0] * self.slot_bytes, where[1]
-
     def device_ptr(self, key: ChunkKey) -> int | None:
         """The device address of a stored chunk, valid until it is deleted or overwritten."""
         where = self.slot_handle(key)
         if where is None:
             return None
         return self._live().data.ptr + where[0]
-
-    def delete(self, keys: Sequence[ChunkKey]) -> None:
-        with self._mutate:
-            self._table.remove(keys)
-
-    def scan(self) -> Iterator[StoredChunk]:
-        return iter(())
 
     def close(self) -> None:
         """Free the slab. Idempotent."""
@@ -139,6 +117,3 @@ class HbmTier:
         if self._slab is None:
             raise KVStoreError(f"{self.name} tier is closed")
         return self._slab
-
-    def __len__(self) -> int:
-        return len(self._table)

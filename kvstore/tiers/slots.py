@@ -4,7 +4,8 @@ No I/O: it only decides which slot holds which key. Offers ``SlotTable`` with
 ``payloads_by_key(records)`` (a batch checked against the slot size),
 ``reserve(keys)`` (all or nothing, ``TierFullError``), ``commit(keys, slots, lengths)``
 (publish a reserved batch), ``abort(keys, slots)``, ``lookup(key)``, ``remove(keys)``,
-``free_slots`` and ``used_slots``. A write reserves, copies its bytes, then commits,
+``free_slots`` and ``used_slots``; and ``SlotTierOps``, the table-only methods both
+slot tiers share. A write reserves, copies its bytes, then commits,
 so a lock-free ``lookup`` never finds a new key whose bytes are half written. A key
 already stored keeps its slot and is overwritten in place: a chunk costs one slot,
 as the index counts it, even while it is being rewritten.
@@ -15,11 +16,13 @@ rewritten in place cannot be freed and handed to another key mid-copy.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from kvstore.tiers.base import StoredChunk
 from kvstore.tiers.buffers import as_u8
 from kvstore.types import ChunkKey, ChunkRecord, InvalidArgument, TierFullError, check_key
 
@@ -88,3 +91,36 @@ class SlotTable:
 
     def __len__(self) -> int:
         return len(self._where)
+
+
+class SlotTierOps:
+    """What the dram and hbm tiers do alike once their region exists: table operations."""
+
+    name: str
+    slot_bytes: int
+    _table: SlotTable
+    _mutate: threading.Lock
+
+    def cost(self, nbytes: int) -> int:
+        return self.slot_bytes
+
+    @property
+    def free_slots(self) -> int:
+        return self._table.free_slots
+
+    def slot_handle(self, key: ChunkKey) -> tuple[int, int] | None:
+        """``(byte offset in the region, length)`` of a stored chunk, else None."""
+        where = self._table.lookup(key)
+        if where is None:
+            return None
+        return where[0] * self.slot_bytes, where[1]
+
+    def delete(self, keys: Sequence[ChunkKey]) -> None:
+        with self._mutate:
+            self._table.remove(keys)
+
+    def scan(self) -> Iterator[StoredChunk]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return len(self._table)
