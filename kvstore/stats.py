@@ -36,7 +36,3 @@ class StoreStats:
     expired_leases: int = 0
     namespaces: dict[str, int] = field(default_factory=dict)
     write_policy: str = ""
-
-    @property
-    def hit_rate(self) -> float:
-        return self.lookup_hit_keys / self.lookup_keys if self.lookup_keys else 0.0

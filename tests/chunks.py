@@ -1,4 +1,7 @@
-"""Real chunk payloads for tests: valid headers, distinct contents, chained keys."""
+"""Real chunk payloads for tests: valid headers, distinct contents, chained keys.
+
+Offers ``payload(seed)``, ``chain(n, seed, ns)``, ``keys_of`` and ``payloads_of``.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from kvstore import codec
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.types import ChunkRecord
 
-SHAPE = (2, 2, 32, 64)  # 16 KiB of fp16 K+V per chunk
+SHAPE = (2, 2, 32, 64)  # 32 KiB of fp16 K+V per chunk
 NAMESPACE = Namespace("tiny-test", "r0", SHAPE[0], SHAPE[1], SHAPE[3], SHAPE[2], "raw")
 
 
@@ -29,3 +32,11 @@ def chain(n: int, seed: int = 0, ns: Namespace = NAMESPACE) -> list[ChunkRecord]
         ChunkRecord(k, keys[i - 1] if i else None, digest, payload(seed * 1000 + i))
         for i, k in enumerate(keys)
     ]
+
+
+def keys_of(records: list[ChunkRecord]) -> list[bytes]:
+    return [r.key for r in records]
+
+
+def payloads_of(records: list[ChunkRecord]) -> list[bytes]:
+    return [bytes(r.payload) for r in records]

@@ -1,8 +1,17 @@
-"""Shared test set-up: skip ``gpu`` tests where CUDA is absent."""
+"""Shared test set-up: skip ``gpu`` tests where CUDA is absent; ``open_store``."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
+
+from kvstore.store import TieredStore
+from kvstore.tiers.dram import DramTier
+from kvstore.tiers.nvme import NvmeTier
+
+SLOT = 40 * 1024  # one tests.chunks payload (32 KiB + header) per slot
+MiB = 1 << 20
 
 
 def _cuda_available() -> bool:
@@ -21,3 +30,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def open_store(tmp_path):
+    """``open_store(dram_slots, nvme_bytes, policy, path=..., nvme={...}, **store_kw)``.
+
+    A fresh store over real shared memory and an LMDB in ``tmp_path`` (or ``path``),
+    closed at teardown. Reopening the same path rebuilds the index from LMDB.
+    """
+    opened: list[TieredStore] = []
+
+    def _open(dram_slots=64, nvme_bytes=64 * MiB, policy="write_through", path=None, **kw):
+        tiers = []
+        if dram_slots:
+            tiers.append(DramTier(dram_slots * SLOT, SLOT))
+        if nvme_bytes:
+            lmdb_path = str(path or tmp_path / "lmdb")
+            tiers.append(NvmeTier(lmdb_path, nvme_bytes, **kw.pop("nvme", {})))
+        store = TieredStore(tiers, write_policy=policy, **kw)
+        opened.append(store)
+        return store
+
+    yield _open
+    for store in opened:
+        with contextlib.suppress(Exception):
+            store.close()

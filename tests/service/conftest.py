@@ -1,15 +1,14 @@
 """A real kvstore server on an ephemeral loopback port, over real shared memory and LMDB.
 
-Fixtures: ``open_store`` (a TieredStore factory: DRAM slots in ``/dev/shm`` over an LMDB
-in ``tmp_path``), ``serve`` (starts a ``StoreServer`` around a store and returns a
-``Served`` with its address; every server is stopped at teardown) and ``served`` /
-``client`` for the common case. Helpers: ``keys_of``, ``payloads_of``, ``raw_stub``
-(hand-made stubs over a plain channel, for what the typed client hides).
+Fixtures (``open_store`` comes from ``tests/conftest.py``): ``serve`` starts a
+``StoreServer`` around a store and returns a ``Served`` with its address (every server
+is stopped at teardown); ``served`` / ``client`` cover the common case. Helpers:
+``keys_of`` and ``payloads_of`` (from ``tests.chunks``), ``raw_stub`` (hand-made stubs
+over a plain channel, for what the typed client hides).
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import grpc
@@ -20,19 +19,7 @@ from kvstore.grpc_server import StoreServer
 from kvstore.pb import SERVICE, pb
 from kvstore.service import Limits
 from kvstore.store import TieredStore
-from kvstore.tiers.dram import DramTier
-from kvstore.tiers.nvme import NvmeTier
-
-SLOT = 40 * 1024  # one tests.chunks payload (32 KiB + header) per slot
-MiB = 1 << 20
-
-
-def keys_of(records) -> list[bytes]:
-    return [r.key for r in records]
-
-
-def payloads_of(records) -> list[bytes]:
-    return [bytes(r.payload) for r in records]
+from tests.chunks import keys_of, payloads_of  # noqa: F401  (re-exported for the tests)
 
 
 @dataclass
@@ -44,36 +31,6 @@ class Served:
     @property
     def port(self) -> int:
         return self.server.port
-
-
-@pytest.fixture
-def open_store(tmp_path):
-    """``open_store(dram_slots, nvme_bytes, policy, path=...)``: a fresh store, closed at the end.
-
-    Reopening the same ``path`` after the first store closed rebuilds the index from LMDB.
-    """
-    opened: list[TieredStore] = []
-
-    def _open(
-        dram_slots: int = 64,
-        nvme_bytes: int = 64 * MiB,
-        policy: str = "write_through",
-        path=None,
-        **kw,
-    ) -> TieredStore:
-        tiers = []
-        if dram_slots:
-            tiers.append(DramTier(dram_slots * SLOT, SLOT))
-        if nvme_bytes:
-            tiers.append(NvmeTier(str(path or tmp_path / "lmdb"), nvme_bytes))
-        store = TieredStore(tiers, write_policy=policy, **kw)
-        opened.append(store)
-        return store
-
-    yield _open
-    for store in opened:
-        with contextlib.suppress(Exception):
-            store.close()
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import sys
 import urllib.request
 from pathlib import Path
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.client import KVStoreClient
@@ -121,7 +120,20 @@ def test_client_commands_against_no_server_fail_readably():
     assert bad.returncode != 0 and "not hex" in bad.stderr
 
 
-@pytest.mark.parametrize("argv", [["--version"], ["keys", "--help"]])
-def test_cli_entry_point_answers(argv):
-    out = cli(*argv)
-    assert out.returncode == 0 and "kvstore" in (out.stdout + out.stderr)
+def test_keys_command_prints_the_published_test_vectors():
+    ns = (
+        '{"model":"tiny","revision":"r1","num_layers":2,"num_kv_heads":2,"head_dim":64,'
+        '"chunk_tokens":32,"codec":"raw","salt":"tenant-a"}'
+    )
+    out = cli(
+        "keys", "--namespace-json", ns, "--tokens", ",".join(["7"] * 64 + ["4294967295"] * 32)
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:4] == [
+        "namespace d12bfd528d10bdc9459c586445c20fcdc1bc37fd1fa0e4c05772627d53afdd63",
+        "chunk 0 788e06caa805aa220b9a025ff279f7c0",
+        "chunk 1 07a503f861ca7e5c206bed07d5c185be",
+        "chunk 2 9a04c05fe63109f982509855a950555e",
+    ]
+    bad = cli("keys", "--namespace-json", '{"model":"m"}', "--tokens", "1")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr

@@ -1,44 +1,15 @@
 """TieredStore over real shared memory and a real LMDB in a temp dir."""
 
-import contextlib
 import threading
 
 import lmdb
 import pytest
 
 from kvstore.keys import Namespace
-from kvstore.store import TieredStore
-from kvstore.tiers.dram import DramTier
-from kvstore.tiers.nvme import NvmeTier
 from kvstore.types import ChunkRecord, InvalidArgument, NotFound, TierFullError
-from tests.chunks import chain
+from tests.chunks import chain, keys_of
 
-SLOT = 40 * 1024
 MiB = 1 << 20
-
-
-@pytest.fixture
-def open_store(tmp_path):
-    opened = []
-
-    def _open(dram_slots=64, nvme_bytes=64 * MiB, policy="write_through", **kw):
-        tiers = []
-        if dram_slots:
-            tiers.append(DramTier(dram_slots * SLOT, SLOT))
-        if nvme_bytes:
-            tiers.append(NvmeTier(str(tmp_path / "lmdb"), nvme_bytes, **kw.pop("nvme", {})))
-        store = TieredStore(tiers, write_policy=policy, **kw)
-        opened.append(store)
-        return store
-
-    yield _open
-    for store in opened:
-        with contextlib.suppress(Exception):
-            store.close()
-
-
-def keys_of(records):
-    return [r.key for r in records]
 
 
 def test_put_then_lookup_and_get_return_the_exact_bytes(open_store):
