@@ -8,6 +8,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 CORE := $(VENV)/.installed-core
 VLLM := $(VENV)/.installed-vllm
+BENCH := $(VENV)/.installed-bench
 PROTO_SRC := proto/kvstore/v1/kvstore.proto
 # Generated at install time so the stubs always match the installed protobuf runtime.
 PB := kvstore/v1/kvstore_pb2.py
@@ -33,6 +34,10 @@ $(VLLM): $(CORE)
 	$(PY) -c 'import vllm, torch; assert not torch.version.cuda; print("vllm", vllm.__version__)'
 	touch $@
 
+$(BENCH): $(VLLM)
+	$(PIP) install -q -e '.[bench]'
+	touch $@
+
 $(PB): $(PROTO_SRC) $(CORE)
 	$(PROTOC)
 
@@ -46,11 +51,14 @@ run: install
 test: install install-vllm
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-bench: install
+# Quick versions of every benchmark; JSON and PNGs land in benchmarks/results/.
+bench: install install-vllm $(BENCH)
 	@mkdir -p benchmarks/results
 	$(PY) benchmarks/bench_index.py --quick
 	$(PY) benchmarks/bench_tiers.py --quick
 	$(PY) benchmarks/bench_service.py --quick
+	$(PY) benchmarks/ttft.py --quick
+	$(PY) benchmarks/accuracy.py --quick
 
 proto: $(CORE)
 	$(PROTOC)

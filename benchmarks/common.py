@@ -43,3 +43,37 @@ def machine() -> dict:
     import os
 
     return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+
+
+class Progress:
+    """A one-line progress bar on stderr: done/total, elapsed, the current step's label."""
+
+    def __init__(self, total: int, name: str, width: int = 30) -> None:
+        import sys
+
+        self.total, self.name, self.width, self.done_n = total, name, width, 0
+        self.t0 = time.monotonic()
+        self.stream = sys.stderr
+        self.tty = self.stream.isatty()  # elsewhere (logs, CI): a line per tenth
+        self._draw("")
+
+    def _draw(self, label: str) -> None:
+        if not self.tty and self.done_n * 10 // max(1, self.total) == (
+            (self.done_n - 1) * 10 // max(1, self.total)
+        ):
+            return
+        filled = self.width * self.done_n // max(1, self.total)
+        bar = "#" * filled + "." * (self.width - filled)
+        elapsed = time.monotonic() - self.t0
+        line = f"{self.name} [{bar}] {self.done_n}/{self.total} {elapsed:5.0f}s {label:<32.32}"
+        self.stream.write("\r" + line if self.tty else line.rstrip() + "\n")
+        self.stream.flush()
+
+    def step(self, label: str = "") -> None:
+        self.done_n += 1
+        self._draw(label)
+
+    def done(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()

@@ -29,7 +29,9 @@ def _training_files(max_bytes: int) -> list[str]:
     return files
 
 
-def build_tokenizer(vocab_size: int = 1000, max_train_bytes: int = 2_000_000):
+def build_tokenizer(
+    vocab_size: int = 1000, max_train_bytes: int = 2_000_000, model_max_length: int = 4096
+):
     """Byte-level BPE trained on the standard library's own sources."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -53,7 +55,7 @@ def build_tokenizer(vocab_size: int = 1000, max_train_bytes: int = 2_000_000):
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
-        model_max_length=4096,
+        model_max_length=model_max_length,
         clean_up_tokenization_spaces=False,
     )
 
@@ -66,6 +68,7 @@ def build_tiny_llama(
     num_hidden_layers: int = 2,
     num_attention_heads: int = 4,
     num_key_value_heads: int = 2,
+    head_dim: int | None = None,  # default hidden_size // num_attention_heads
     max_position_embeddings: int = 4096,
     initializer_range: float = 0.2,  # wide logit gaps: greedy choices are not near-ties
     dtype: str = "float32",
@@ -76,7 +79,7 @@ def build_tiny_llama(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(model_max_length=max_position_embeddings)
     tokenizer.save_pretrained(out)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -85,6 +88,7 @@ def build_tiny_llama(
         num_hidden_layers=num_hidden_layers,
         num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim or hidden_size // num_attention_heads,
         max_position_embeddings=max_position_embeddings,
         initializer_range=initializer_range,
         bos_token_id=tokenizer.bos_token_id,

