@@ -71,10 +71,20 @@ def shape_report(s: dict) -> dict:
     }
 
 
-def build_model(path: Path, max_len: int) -> Path:
+MAX_POSITIONS = 131072  # each run sets its own --max-model-len below this
+
+
+def build_model(path: Path) -> Path:
+    """The model, built once into ``path`` (random weights: TTFT does not depend on them)."""
+    import json
+
     from tests.connector.tiny_llama import build_tiny_llama
 
-    if (path / "config.json").exists():
+    config = path / "config.json"
+    if (
+        config.exists()
+        and json.loads(config.read_text())["max_position_embeddings"] >= MAX_POSITIONS
+    ):
         return path
     s = SHAPE
     return build_tiny_llama(
@@ -85,7 +95,7 @@ def build_model(path: Path, max_len: int) -> Path:
         num_attention_heads=s["q_dim"] // s["head_dim"],
         num_key_value_heads=s["kv_heads"],
         head_dim=s["head_dim"],
-        max_position_embeddings=max_len,
+        max_position_embeddings=MAX_POSITIONS,
         initializer_range=0.02,
     )
 
@@ -134,7 +144,7 @@ class Bench:
         self.logs = RESULTS / "ttft-logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         max_len = max(args.lengths) + 2 * SUFFIX + 64
-        self.model = build_model(args.model_dir, max_len)
+        self.model = build_model(args.model_dir)
         self.vocab = 1000
         self.store = Served([KVSTORE, "serve", "--config", str(store_yaml(work / "store.yaml"))])
         self.client = KVStoreClient(self.store.address)

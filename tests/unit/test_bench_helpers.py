@@ -1,0 +1,63 @@
+"""The pure parts the TTFT and accuracy benchmarks rest on: task data, model shape, naive fp8."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.accuracy import fp8_per_tensor
+from benchmarks.recall_task import Task, dense_batch, haystack_batch
+from benchmarks.ttft import LLAMA3_8B, SHAPE, shape_report
+
+TASK = Task()
+
+
+def test_haystack_questions_ask_keys_of_the_prefix_and_label_their_values():
+    gen = torch.Generator().manual_seed(3)
+    tokens, labels = haystack_batch(TASK, gen, 4, 1024, 16)
+    assert tokens.shape == labels.shape == (4, 1024 + 32)
+    for row, lab in zip(tokens.tolist(), labels.tolist()):
+        prefix = row[:1024]
+        assert prefix[0] == 0
+        keys_at = [i for i, t in enumerate(prefix) if TASK.key0 <= t < TASK.value0]
+        assert len(keys_at) == TASK.n_keys  # every key once
+        value_of = {prefix[i]: prefix[i + 1] for i in keys_at}
+        assert all(TASK.value0 <= v < TASK.vocab_size for v in value_of.values())
+        asked = [i for i, y in enumerate(lab) if y != -100]
+        assert asked == list(range(1024, 1024 + 32, 2))
+        for i in asked:
+            assert lab[i] == row[i + 1] == value_of[row[i]]
+        # filler is values only: a key never appears except in a pair or a question
+        assert sum(TASK.key0 <= t < TASK.value0 for t in row) == TASK.n_keys + 16
+
+
+def test_dense_batch_labels_only_repeated_keys_with_their_first_value():
+    gen = torch.Generator().manual_seed(4)
+    tokens, labels = dense_batch(TASK, gen, 8, 16)
+    for row, lab in zip(tokens.tolist(), labels.tolist()):
+        seen = {}
+        for i in range(1, len(row), 2):
+            key, value = row[i], row[i + 1]
+            if key in seen:
+                assert lab[i] == value == seen[key]
+            else:
+                assert lab[i] == -100
+                seen[key] = value
+
+
+def test_benchmark_model_keeps_llama3_8b_compute_to_kv_ratios():
+    ours, ref = shape_report(SHAPE), shape_report(LLAMA3_8B)
+    assert ref["kv_bytes_per_token_fp16"] == 128 * 1024  # 128 KiB per token in FP16
+    assert 13e9 < ref["dense_flops_per_token"] < 15e9  # 2 x 7B non-embedding parameters
+    assert ours["flops_per_kv_byte"] == pytest.approx(ref["flops_per_kv_byte"], rel=0.02)
+    assert ours["attention_breakeven_context"] == pytest.approx(
+        ref["attention_breakeven_context"], rel=0.02
+    )
+
+
+def test_naive_fp8_uses_one_scale_so_small_values_lose_precision():
+    x = torch.tensor([[1000.0, 1.0, 0.01]])
+    y = fp8_per_tensor(x)
+    assert y[0, 0] == pytest.approx(1000.0, rel=0.07)
+    assert y[0, 2] != pytest.approx(0.01, rel=0.07)  # under the shared scale's resolution
+    assert fp8_per_tensor(torch.zeros(2, 2)).abs().sum() == 0
