@@ -129,6 +129,7 @@ def main() -> None:
     p.add_argument("--model-dir", type=Path, default=MODEL_DIR)
     p.add_argument("--seed", type=int, default=1234)
     args = p.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # progress shows up in logs as it happens
     lengths = [int(n) for n in args.lengths.split(",")]
     for n in lengths:
         if n % CHUNK_TOKENS:

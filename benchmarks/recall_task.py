@@ -109,23 +109,25 @@ def new_model(task: Task, seed: int):
     return LlamaForCausalLM(config)
 
 
-# (name, tokens per example, questions, accuracy that ends the phase, most seconds)
+# (name, tokens per example (cycled step by step), questions, accuracy that ends the
+# phase, most seconds). The last phase mixes lengths: trained on 4K alone, the model
+# forgets 1K (80 % there against 87 % at 4K in one try).
 CURRICULUM = [
-    ("dense", 32, 0, 0.97, 150.0),
-    ("haystack-256", 256, 32, 0.97, 60.0),
-    ("haystack-1024", 1024, 64, 0.97, 90.0),
-    ("haystack-2048", 2048, 64, 0.97, 90.0),
-    ("haystack-4096", 4096, 64, 0.97, 120.0),
+    ("dense", (32,), 0, 0.97, 150.0),
+    ("haystack-256", (256,), 32, 0.97, 60.0),
+    ("haystack-1024", (1024,), 64, 0.97, 90.0),
+    ("haystack-1k-4k", (1024, 2048, 4096), 64, 0.98, 180.0),
 ]
 TOKENS_PER_STEP = 16384
 FORMED = 0.9
 
 
 def _run_phase(model, opt, task, gen, phase, log, t_start, step):
-    name, length, questions, goal, max_s = phase
+    name, lengths, questions, goal, max_s = phase
     t_phase, running = time.perf_counter(), 0.0
-    batch = max(1, TOKENS_PER_STEP // (length + 2 * questions))
     while True:
+        length = lengths[step % len(lengths)]
+        batch = max(1, TOKENS_PER_STEP // (length + 2 * questions))
         if questions:
             x, y = haystack_batch(task, gen, batch, length, questions)
         else:

@@ -21,11 +21,13 @@ a streaming client from the request to the first streamed token.
 
 The model is a tiny Llama with random weights, built here, with Llama-3-8B's
 compute-to-KV ratio: see ``SHAPE`` and ``shape_report``. On a GPU host (vllm==0.33)
-pass ``--gpu`` (bf16, block size 16, CUDA graphs); see benchmarks/README.md.
+pass ``--gpu`` (bf16, block size 16, CUDA graphs, 15 % of GPU memory per server);
+see benchmarks/README.md.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
@@ -143,10 +145,18 @@ class Bench:
         self.rng = random.Random(args.seed)
         self.logs = RESULTS / "ttft-logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        max_len = max(args.lengths) + 2 * SUFFIX + 64
         self.model = build_model(args.model_dir)
-        self.vocab = 1000
-        self.store = Served([KVSTORE, "serve", "--config", str(store_yaml(work / "store.yaml"))])
+        self.vocab = json.loads((self.model / "config.json").read_text())["vocab_size"]
+        self.servers: dict[str, OpenAIServer] = {}
+        self.store = self.client = None
+
+    def start(self) -> dict:
+        """The store, then the five servers (started together; their start-up is mostly imports)."""
+        args, t0 = self.args, time.monotonic()
+        max_len = max(args.lengths) + 2 * SUFFIX + 64
+        self.store = Served(
+            [KVSTORE, "serve", "--config", str(store_yaml(self.work / "store.yaml"))]
+        )
         self.client = KVStoreClient(self.store.address)
         server_args = args.server_args.split() + [
             "--max-num-batched-tokens",
@@ -168,22 +178,16 @@ class Bench:
                 env=env,
             )
 
-        self.servers = {
-            "recompute": server("recompute"),
-            "a_raw": server("a_raw", "raw"),
-            "b_raw": server("b_raw", "raw", prefix_caching=True),
-            "a_fp8": server("a_fp8", "fp8"),
-            "b_fp8": server("b_fp8", "fp8", prefix_caching=True),
-        }
-
-    def tokens(self, n: int) -> list[int]:
-        return [self.rng.randrange(3, self.vocab) for _ in range(n)]
-
-    def start(self) -> dict:
-        t0 = time.monotonic()
+        self.servers["recompute"] = server("recompute")
+        for codec in ("raw", "fp8"):
+            self.servers[f"a_{codec}"] = server(f"a_{codec}", codec)
+            self.servers[f"b_{codec}"] = server(f"b_{codec}", codec, prefix_caching=True)
         for s in self.servers.values():
             s.wait_ready()
         return {"all_ready_s": round(time.monotonic() - t0, 1)}
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(3, self.vocab) for _ in range(n)]
 
     def wait_stored(self, expected: int, timeout_s: float = 300) -> None:
         """Saves are asynchronous: wait until the store holds ``expected`` chunks."""
@@ -235,8 +239,10 @@ class Bench:
     def close(self) -> None:
         for s in self.servers.values():
             s.stop()
-        self.client.close()
-        self.store.stop()
+        if self.client:
+            self.client.close()
+        if self.store:
+            self.store.stop()
 
 
 def plot(result: dict, path: Path) -> None:
@@ -272,7 +278,10 @@ def main() -> None:
     p.add_argument("--server-args", default=None, help="extra vLLM server flags")
     p.add_argument("--batched-tokens", type=int, default=2048, help="--max-num-batched-tokens")
     args = p.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # progress shows up in logs as it happens
     default_lengths = "4096" if args.quick else "1024,4096,16384"
+    if args.gpu and not args.quick:
+        default_lengths += ",65536"
     args.lengths = [int(n) for n in (args.lengths or default_lengths).split(",")]
     for n in args.lengths:
         if n % CHUNK_TOKENS:
@@ -280,7 +289,8 @@ def main() -> None:
     args.requests = args.requests or (3 if args.quick else 5)
     if args.server_args is None:
         args.server_args = (
-            "--dtype bfloat16 --block-size 16"
+            # five servers share the GPU: each takes a slice of its memory
+            "--dtype bfloat16 --block-size 16 --gpu-memory-utilization 0.15"
             if args.gpu
             else "--dtype float32 --block-size 32 --enforce-eager"
         )
