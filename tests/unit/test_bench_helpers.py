@@ -61,4 +61,3 @@ def test_naive_fp8_uses_one_scale_so_small_values_lose_precision():
     assert y[0, 0] == pytest.approx(1000.0, rel=0.07)
     assert y[0, 2] != pytest.approx(0.01, rel=0.07)  # under the shared scale's resolution
     assert fp8_per_tensor(torch.zeros(2, 2)).abs().sum() == 0
-
