@@ -13,8 +13,8 @@ of it. Codecs:
 
 - ``raw``: the cache bit for bit (must equal the no-store reference exactly).
 - ``fp8``: kvstore's fp8 (e4m3, per-channel K scales, per-token V scales).
-- ``fp8_naive``: reference only, not a kvstore codec: one scale per K or V tensor
-  of a layer and chunk, cast to e4m3 and back, then stored ``raw``.
+- ``fp8_naive``: reference only, not a kvstore codec: one scale per layer for the K
+  (or V) of a chunk, cast to e4m3 and back, then stored ``raw``.
 
 Reported: ``accuracy[codec]`` (fraction of questions answered right, greedy),
 per prefix length, and the mean |logprob delta| of the answer tokens against
@@ -84,13 +84,19 @@ class StoreRoundTrip:
         for i, key in enumerate(keys):
             sl = slice(i * CHUNK_TOKENS, (i + 1) * CHUNK_TOKENS)
             ck, cv = k[:, :, sl].contiguous(), v[:, :, sl].contiguous()
-            if name == "fp8_naive":
-                ck, cv = fp8_per_tensor(ck), fp8_per_tensor(cv)
+            if name == "fp8_naive":  # one scale per layer's K (or V) in this chunk
+                ck = torch.stack([fp8_per_tensor(layer) for layer in ck])
+                cv = torch.stack([fp8_per_tensor(layer) for layer in cv])
             payload = kvcodec.encode(ck, cv, "fp8" if name == "fp8" else "raw")
             self.bytes_put[name] += len(payload)
             records.append(ChunkRecord(key, keys[i - 1] if i else None, ns, bytes(payload)))
-        self.client.put(records)
-        parts = [kvcodec.decode(bytes(p)) for p in self.client.get(keys)]
+        result = self.client.put(records)
+        if result.rejected:
+            raise RuntimeError(f"the store refused chunks: {result.rejected[:3]}")
+        payloads = self.client.get(keys)
+        if len(payloads) != len(keys):  # a short cache would count as codec error
+            raise RuntimeError(f"the store returned {len(payloads)} of {len(keys)} chunks")
+        parts = [kvcodec.decode(bytes(p)) for p in payloads]
         return torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2)
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ cached (vLLM's prefix cache plus what a KV connector loaded).
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -147,11 +148,20 @@ class OpenAIServer:
         return first, cached
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        """SIGTERM to the server's whole process group (its engine processes too), then SIGKILL.
+
+        The group is signalled even when the server itself already died, so children it
+        left behind do not keep running (or keep holding GPU memory).
+        """
+        self._signal_group(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._signal_group(signal.SIGKILL)
+            self.proc.wait()
+        self._signal_group(signal.SIGKILL)  # whatever outlived the leader
         self._log.close()
+
+    def _signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)

@@ -28,6 +28,7 @@ see benchmarks/README.md.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import socket
@@ -125,18 +126,24 @@ def connector(store: str, codec: str) -> dict:
     }
 
 
-def store_yaml(path: Path) -> Path:
+SLOT_BYTES = 512 << 10  # a raw float32 chunk of the benchmark model is 256 KiB + header
+
+
+def store_yaml(path: Path, chunks: int) -> Path:
+    """A DRAM-only store with a slot for every chunk the run saves, so none is evicted."""
+    capacity = max(1 << 30, int(chunks * 1.25) * SLOT_BYTES)
     path.write_text(
         "server:\n  listen: 127.0.0.1:0\n  metrics_listen: ''\n"
-        "dram:\n  capacity_bytes: 3GiB\n  slot_bytes: 512KiB\n"
+        f"dram:\n  capacity_bytes: {capacity}\n  slot_bytes: {SLOT_BYTES}\n"
         "nvme:\n  enabled: false\n"
     )
     return path
 
 
 def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile: the smallest sample with at least q of them at or below it."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 class Bench:
@@ -149,13 +156,15 @@ class Bench:
         self.vocab = json.loads((self.model / "config.json").read_text())["vocab_size"]
         self.servers: dict[str, OpenAIServer] = {}
         self.store = self.client = None
+        self.expected_chunks = 0
 
     def start(self) -> dict:
         """The store, then the five servers (started together; their start-up is mostly imports)."""
         args, t0 = self.args, time.monotonic()
-        max_len = max(args.lengths) + 2 * SUFFIX + 64
+        chunks = 8 + 2 * args.requests * sum(n // CHUNK_TOKENS for n in args.lengths)
+        max_len = max(*args.lengths, 2 * CHUNK_TOKENS) + 2 * SUFFIX + 64  # warm-up uses 512
         self.store = Served(
-            [KVSTORE, "serve", "--config", str(store_yaml(self.work / "store.yaml"))]
+            [KVSTORE, "serve", "--config", str(store_yaml(self.work / "store.yaml", chunks))]
         )
         self.client = KVStoreClient(self.store.address)
         server_args = args.server_args.split() + [
@@ -189,37 +198,48 @@ class Bench:
     def tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(3, self.vocab) for _ in range(n)]
 
-    def wait_stored(self, expected: int, timeout_s: float = 300) -> None:
-        """Saves are asynchronous: wait until the store holds ``expected`` chunks."""
-        deadline = time.monotonic() + timeout_s
-        while self.client.stats().chunks < expected:
+    def prefill_on_a(self, codec: str, prompt: list[int]) -> None:
+        """Node A serves ``prompt``; returns once the store holds every chunk A saved so far.
+
+        Saves are asynchronous, so this counts every chunk any A node was given since the
+        start (the B nodes add none: their prefixes are stored already) and waits for the
+        store to hold that many. The store is sized so that nothing is evicted.
+        """
+        self.servers[f"a_{codec}"].ttft(prompt)
+        self.expected_chunks += (len(prompt) - 1) // CHUNK_TOKENS
+        deadline = time.monotonic() + 300
+        while self.client.stats().chunks < self.expected_chunks:
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"store holds {self.client.stats().chunks} chunks, expected {expected}; "
+                    f"store holds {self.client.stats().chunks} chunks, "
+                    f"expected {self.expected_chunks}; "
                     f"see {self.logs}/server-a_*.log"
                 )
             time.sleep(0.05)
 
     def warm_up(self) -> None:
         """First requests pay lazy initialisation; the connector path is warmed end to end."""
-        for name, s in self.servers.items():
-            if not name.startswith("b_"):
-                s.ttft(self.tokens(2 * CHUNK_TOKENS + SUFFIX))
+        self.servers["recompute"].ttft(self.tokens(2 * CHUNK_TOKENS + SUFFIX))
         for codec in ("raw", "fp8"):
             prefix = self.tokens(2 * CHUNK_TOKENS)
-            stored = self.client.stats().chunks
-            self.servers[f"a_{codec}"].ttft(prefix + self.tokens(SUFFIX))
-            self.wait_stored(stored + 2)
+            self.prefill_on_a(codec, prefix + self.tokens(SUFFIX))
             self.servers[f"b_{codec}"].ttft(prefix + self.tokens(SUFFIX))
 
     def measure(self, length: int, samples: dict, progress: Progress) -> None:
         def record(config: str, server: str, prompt: list[int], want_cached: int) -> None:
+            hits = self.store_hits()
             seconds, cached = self.servers[server].ttft(prompt)
             ok = cached == want_cached if want_cached == 0 else cached >= want_cached
-            if not ok:
+            # vLLM reports what the connector promised; the store's read counter says
+            # whether the chunks were really read (a failed load is recomputed), and that
+            # (a) and (b) read nothing from it
+            want_reads = length // CHUNK_TOKENS if config.startswith("kvstore") else 0
+            reads = self.store_hits() - hits
+            if not ok or reads < want_reads or (want_reads == 0 and reads):
                 raise AssertionError(
                     f"{config} at {length} tokens: server {server} reports {cached} cached "
-                    f"prompt tokens, expected {want_cached}; see {self.logs}/server-{server}.log"
+                    f"prompt tokens (expected {want_cached}) and read {reads} chunks from the "
+                    f"store (expected {want_reads}); see {self.logs}/server-{server}.log"
                 )
             samples[config][length].append(seconds * 1e3)
             progress.step(f"{config} {length}")
@@ -227,22 +247,28 @@ class Bench:
         for _ in range(self.args.requests):
             for codec in ("raw", "fp8"):
                 prefix = self.tokens(length)
-                stored = self.client.stats().chunks
-                self.servers[f"a_{codec}"].ttft(prefix + self.tokens(SUFFIX))
+                self.prefill_on_a(codec, prefix + self.tokens(SUFFIX))
                 progress.step(f"node A {codec} {length}")
-                self.wait_stored(stored + length // CHUNK_TOKENS)
                 record(f"kvstore_{codec}", f"b_{codec}", prefix + self.tokens(SUFFIX), length)
                 if codec == "raw":
                     record("vllm_prefix_cache", "b_raw", prefix + self.tokens(SUFFIX), length)
                     record("recompute", "recompute", prefix + self.tokens(SUFFIX), 0)
 
+    def store_hits(self) -> int:
+        return sum(t.hits for t in self.client.stats().tiers)
+
     def close(self) -> None:
-        for s in self.servers.values():
-            s.stop()
+        """Stops everything, even when some of it is already dead or stops badly."""
+        closers = [s.stop for s in self.servers.values()]
         if self.client:
-            self.client.close()
+            closers.append(self.client.close)
         if self.store:
-            self.store.stop()
+            closers.append(self.store.stop)
+        for close in closers:
+            try:
+                close()
+            except Exception as exc:  # keep stopping the rest
+                print(f"ttft: while stopping: {exc!r}", file=sys.stderr)
 
 
 def plot(result: dict, path: Path) -> None:
@@ -352,8 +378,8 @@ def main() -> None:
         "wall_s": round(time.monotonic() - started, 1),
     }
     out = args.out or RESULTS / "ttft.json"
+    emit("ttft", result, out)  # creates out's folder
     plot(result, out.with_suffix(".png"))
-    emit("ttft", result, out)
 
 
 if __name__ == "__main__":

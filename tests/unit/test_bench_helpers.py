@@ -7,7 +7,7 @@ import torch
 
 from benchmarks.accuracy import fp8_per_tensor
 from benchmarks.recall_task import Task, dense_batch, haystack_batch
-from benchmarks.ttft import LLAMA3_8B, SHAPE, shape_report
+from benchmarks.ttft import LLAMA3_8B, SHAPE, percentile, shape_report
 
 TASK = Task()
 
@@ -61,3 +61,10 @@ def test_naive_fp8_uses_one_scale_so_small_values_lose_precision():
     assert y[0, 0] == pytest.approx(1000.0, rel=0.07)
     assert y[0, 2] != pytest.approx(0.01, rel=0.07)  # under the shared scale's resolution
     assert fp8_per_tensor(torch.zeros(2, 2)).abs().sum() == 0
+
+
+def test_p90_is_the_nearest_rank_sample():
+    assert percentile([float(i) for i in range(1, 11)], 0.9) == 9.0
+    assert percentile([5.0, 1.0, 3.0], 0.9) == 5.0  # few samples: the largest
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 0.9) == 6.0
+    assert percentile([7.0], 0.9) == 7.0
