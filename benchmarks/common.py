@@ -6,6 +6,7 @@ import argparse
 import json
 import pathlib
 import platform
+import sys
 import time
 from collections.abc import Callable
 
@@ -49,8 +50,6 @@ class Progress:
     """A one-line progress bar on stderr: done/total, elapsed, the current step's label."""
 
     def __init__(self, total: int, name: str, width: int = 30) -> None:
-        import sys
-
         self.total, self.name, self.width, self.done_n = total, name, width, 0
         self.t0 = time.monotonic()
         self.stream = sys.stderr

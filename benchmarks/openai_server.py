@@ -74,7 +74,6 @@ class OpenAIServer:
         ]
         if kv_transfer_config:
             argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-        self.argv = argv
         self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
             argv,

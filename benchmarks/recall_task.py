@@ -164,7 +164,7 @@ def train(
 ) -> dict:
     """Train, save (HF format + ``task.json``), return the training record.
 
-    Whether the induction circuit forms within the first phase's time depends on the
+    Whether the induction circuit forms within the first phase's steps depends on the
     initialisation (seed 0 forms it after about 100 steps here); a seed whose first
     phase ends below ``FORMED`` accuracy is abandoned for the next.
     """

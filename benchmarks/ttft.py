@@ -31,7 +31,6 @@ import json
 import math
 import os
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -43,7 +42,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import RESULTS, Progress, emit, parser  # noqa: E402
 from benchmarks.openai_server import CPU_ENV, OpenAIServer  # noqa: E402
 from kvstore.client import KVStoreClient  # noqa: E402
-from tests.procs import KVSTORE, Served  # noqa: E402
+from tests.procs import (  # noqa: E402
+    KVSTORE,
+    Served,
+    free_port,
+    kv_transfer_config,
+    wait_for_chunks,
+)
 
 CONFIGS = ["recompute", "vllm_prefix_cache", "kvstore_raw", "kvstore_fp8"]
 CHUNK_TOKENS = 256
@@ -103,27 +108,16 @@ def build_model(path: Path) -> Path:
     )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def connector(store: str, codec: str) -> dict:
-    return {
-        "kv_connector": "KVStoreConnector",
-        "kv_connector_module_path": "connector.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "store": store,
-            "codec": codec,
-            "chunk_tokens": CHUNK_TOKENS,
-            "lookup_timeout_s": 2.0,
-            "load_timeout_s": 30.0,
-            "save_timeout_s": 60.0,
-            "save_queue_depth": 256,
-        },
-    }
+    return kv_transfer_config(
+        store,
+        codec,
+        CHUNK_TOKENS,
+        lookup_timeout_s=2.0,
+        load_timeout_s=30.0,
+        save_timeout_s=60.0,
+        save_queue_depth=256,
+    )
 
 
 SLOT_BYTES = 512 << 10  # a raw float32 chunk of the benchmark model is 256 KiB + header
@@ -207,15 +201,12 @@ class Bench:
         """
         self.servers[f"a_{codec}"].ttft(prompt)
         self.expected_chunks += (len(prompt) - 1) // CHUNK_TOKENS
-        deadline = time.monotonic() + 300
-        while self.client.stats().chunks < self.expected_chunks:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"store holds {self.client.stats().chunks} chunks, "
-                    f"expected {self.expected_chunks}; "
-                    f"see {self.logs}/server-a_*.log"
-                )
-            time.sleep(0.05)
+        held = wait_for_chunks(self.store.address, self.expected_chunks, timeout=300)
+        if held < self.expected_chunks:
+            raise TimeoutError(
+                f"store holds {held} chunks, expected {self.expected_chunks}; "
+                f"see {self.logs}/server-a_*.log"
+            )
 
     def warm_up(self) -> None:
         """First requests pay lazy initialisation; the connector path is warmed end to end."""

@@ -1,10 +1,12 @@
-"""Real processes for tests: a `kvstore serve` store and its banner."""
+"""Real processes for tests and benchmarks: a `kvstore serve` store and its banner, a free
+loopback port, the connector's vLLM config, waiting for asynchronous saves to land."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -71,3 +73,37 @@ class Served:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.communicate(timeout=30)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kv_transfer_config(store: str, codec: str, chunk_tokens: int, **extra) -> dict:
+    """vLLM's ``kv_transfer_config`` for the kvstore connector."""
+    return {
+        "kv_connector": "KVStoreConnector",
+        "kv_connector_module_path": "connector.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "store": store,
+            "codec": codec,
+            "chunk_tokens": chunk_tokens,
+            **extra,
+        },
+    }
+
+
+def wait_for_chunks(address: str, n: int, timeout: float = 60) -> int:
+    """Saves are asynchronous: wait until the store holds ``n`` chunks; returns its count."""
+    from kvstore.client import KVStoreClient
+
+    deadline = time.monotonic() + timeout
+    with KVStoreClient(address) as client:
+        while True:
+            chunks = client.stats().chunks
+            if chunks >= n or time.monotonic() > deadline:
+                return chunks
+            time.sleep(0.05)

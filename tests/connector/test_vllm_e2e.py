@@ -21,7 +21,14 @@ from pathlib import Path
 import pytest
 
 from kvstore.client import KVStoreClient
-from tests.procs import KVSTORE, ROOT, Served, store_config
+from tests.procs import (
+    KVSTORE,
+    ROOT,
+    Served,
+    kv_transfer_config,
+    store_config,
+    wait_for_chunks,
+)
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -92,18 +99,7 @@ def start_engines(model: Path, connectors: list[dict | None]) -> list[Engine]:
 
 
 def connector(address: str, codec: str = "raw", **extra) -> dict:
-    return {
-        "kv_connector": "KVStoreConnector",
-        "kv_connector_module_path": "connector.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "store": address,
-            "codec": codec,
-            "chunk_tokens": CHUNK,
-            "lookup_timeout_s": 1.0,
-            **extra,
-        },
-    }
+    return kv_transfer_config(address, codec, CHUNK, lookup_timeout_s=1.0, **extra)
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -131,17 +127,6 @@ def cluster(model, tmp_path_factory):
         e.close()
     if state["store"].proc.poll() is None:
         state["store"].stop()
-
-
-def wait_for_chunks(address: str, n: int, timeout: float = 60) -> int:
-    """Saves are asynchronous: wait until the store holds ``n`` chunks."""
-    deadline = time.monotonic() + timeout
-    with KVStoreClient(address) as client:
-        while True:
-            chunks = client.stats().chunks
-            if chunks >= n or time.monotonic() > deadline:
-                return chunks
-            time.sleep(0.2)
 
 
 PREFIX_TOKENS = tokens(1, PREFIX)

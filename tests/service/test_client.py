@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 
@@ -13,13 +12,8 @@ import pytest
 from kvstore.client import AsyncKVStoreClient, ClientError, ClientOptions, KVStoreClient
 from kvstore.grpc_server import StoreServer
 from tests.chunks import chain
+from tests.procs import free_port
 from tests.service.conftest import keys_of, payloads_of
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_tiny_deadline_is_deadline_exceeded_and_not_retried(client):
