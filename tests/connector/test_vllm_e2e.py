@@ -98,8 +98,8 @@ def start_engines(model: Path, connectors: list[dict | None]) -> list[Engine]:
     return engines
 
 
-def connector(address: str, codec: str = "raw", **extra) -> dict:
-    return kv_transfer_config(address, codec, CHUNK, lookup_timeout_s=1.0, **extra)
+def connector(address: str, codec: str = "raw", chunk_tokens: int = CHUNK, **extra) -> dict:
+    return kv_transfer_config(address, codec, chunk_tokens, lookup_timeout_s=1.0, **extra)
 
 
 def tokens(seed: int, n: int) -> list[int]:
