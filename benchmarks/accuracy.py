@@ -57,7 +57,7 @@ class StoreRoundTrip:
     """Chunks of a prefix's KV through a real store process and back."""
 
     def __init__(self, work: Path, model, tag: str) -> None:
-        cfg = store_config(work / "store.yaml", work / "lmdb", dram="256MiB", slot="1MiB")
+        cfg = store_config(work / "store.yaml", work / "lmdb", dram="256MiB")
         self.store = Served([KVSTORE, "serve", "--config", str(cfg)])
         self.client = KVStoreClient(self.store.address)
         c = model.config

@@ -160,13 +160,15 @@ class _Section:
         self._require(getattr(self, name) in choices, name, f"must be one of {', '.join(choices)}")
 
 
-def _check_slots(tier: DramConfig | HbmConfig) -> None:
-    tier._require(tier.slot_bytes > 0, "slot_bytes", "must be positive")
+_MIN_REGION = 64 * KiB
+_SLOT_BYTES_HELP = "deprecated and ignored: chunks of any size share the region"
+
+
+def _check_region(tier: DramConfig | HbmConfig) -> None:
     tier._require(
-        tier.capacity_bytes >= tier.slot_bytes,
-        "capacity_bytes",
-        f"must hold at least one slot of {tier.SECTION}.slot_bytes ({tier.slot_bytes} B)",
+        tier.capacity_bytes >= _MIN_REGION, "capacity_bytes", f"must be at least {_MIN_REGION} B"
     )
+    tier._require(tier.slot_bytes >= 0, "slot_bytes", "must not be negative")
 
 
 def _is_address(addr: str, unix: bool) -> bool:
@@ -242,10 +244,10 @@ class DramConfig(_Section):
     SECTION = "dram"
     enabled: bool = _opt(True, "keep chunks in a host shared-memory region (/dev/shm)")
     capacity_bytes: int = _size(2 * GiB, "size of the region")
-    slot_bytes: int = _size(4 * MiB + 64 * KiB, "one slot per chunk: the largest chunk it holds")
+    slot_bytes: int = _size(0, _SLOT_BYTES_HELP)
 
     def _check(self) -> None:
-        _check_slots(self)
+        _check_region(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,11 +272,11 @@ class HbmConfig(_Section):
     SECTION = "hbm"
     enabled: bool = _opt(False, "keep chunks in GPU memory (needs CuPy and a CUDA device)")
     capacity_bytes: int = _size(8 * GiB, "size of the device allocation")
-    slot_bytes: int = _size(4 * MiB + 64 * KiB, "one slot per chunk: the largest chunk it holds")
+    slot_bytes: int = _size(0, _SLOT_BYTES_HELP)
     device: int = _opt(0, "CUDA device ordinal")
 
     def _check(self) -> None:
-        _check_slots(self)
+        _check_region(self)
         self._require(self.device >= 0, "device", "must not be negative")
 
 

@@ -25,11 +25,22 @@ def _hbm(c: HbmConfig) -> Tier:
     # Imported here so that a host with the hbm tier disabled never loads the GPU code.
     from kvstore.tiers.hbm import HbmTier
 
-    return HbmTier(c.capacity_bytes, c.slot_bytes, device=c.device)
+    _warn_slot_bytes(c)
+    return HbmTier(c.capacity_bytes, device=c.device)
 
 
 def _dram(c: DramConfig) -> Tier:
-    return DramTier(c.capacity_bytes, c.slot_bytes)
+    _warn_slot_bytes(c)
+    return DramTier(c.capacity_bytes)
+
+
+def _warn_slot_bytes(c: DramConfig | HbmConfig) -> None:
+    if c.slot_bytes:
+        log.warning(
+            "%s.slot_bytes is ignored: chunks of any size share the %s region; remove it",
+            c.SECTION,
+            c.SECTION,
+        )
 
 
 def _nvme(c: NvmeConfig) -> Tier:

@@ -10,6 +10,12 @@ demotion and at ``flush``/``close``; ``none`` never writes behind (demotion
 still moves evicted bytes down). A persistent last tier rebuilds the index at
 start. A corrupted value read from a tier is dropped, counted, and never
 returned.
+
+Two locks. The index lock guards bookkeeping only and is never held while bytes
+are copied, compressed or committed: ``lookup`` takes nothing else, so it never
+waits on I/O. The writer lock lets one writer at a time (put, eviction,
+promotion, delete, flush) move bytes; readers pin the chunks they copy so no
+writer frees them mid-copy. Lock order: writer, then index.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from kvstore.types import (
     ChunkKey,
     ChunkRecord,
     InvalidArgument,
+    KVStoreError,
     NotFound,
     TierFullError,
     check_key,
@@ -93,7 +100,7 @@ class TieredStore:
         self.tiers = list(tiers)
         self.write_policy = write_policy
         self.max_chunk_bytes = max_chunk_bytes
-        specs = [TierSpec(t.name, t.capacity_bytes, getattr(t, "slot_bytes", None)) for t in tiers]
+        specs = [TierSpec(t.name, t.capacity_bytes, t.cost) for t in tiers]
         kwargs = {"clock": clock} if clock is not None else {}
         self.index = RadixIndex(
             specs,
@@ -104,9 +111,10 @@ class TieredStore:
         )
         self.last = len(tiers) - 1
         self._persist = tiers[-1].persistent and len(tiers) > 1 and write_policy != "none"
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the index: bookkeeping only
+        self._wlock = threading.Lock()  # one writer moves bytes at a time
         self._tstats = [TierStats(t.name, t.capacity_bytes) for t in tiers]
-        self._mover = Mover(self.index, self.tiers, self._tstats)
+        self._mover = Mover(self.index, self.tiers, self._tstats, self._lock)
         self._stats = StoreStats(tiers=self._tstats, write_policy=write_policy)
         if tiers[-1].persistent:
             self._rebuild()
@@ -137,47 +145,59 @@ class TieredStore:
     def put(self, records: Sequence[ChunkRecord]) -> PutResult:
         """Store a batch of chunks, parents before children.
 
-        Per-chunk problems (a parent that is not stored, a bad payload) reject
-        that chunk and its descendants in the batch; ``TierFullError`` is raised
-        only when no tier can admit a chunk, after the chunks before it were stored.
+        Per-chunk problems (a parent that is not stored, a bad payload, no room
+        in any tier) reject that chunk and its descendants in the batch; the
+        result says which. Chunks admitted before a tier filled up are still
+        written through. ``TierFullError`` is raised only when no chunk of the
+        batch could be stored for lack of room.
         """
         checked = [self._validate(r) for r in records]
         stored = dups = 0
         rejected: list[tuple[ChunkKey, str]] = []
         rejected_keys: set[bytes] = set()
         new: list[ChunkRecord] = []
-        with self._lock:
-            self._expire()
-            self._stats.puts += 1
+        full: TierFullError | None = None
+        with self._wlock:
+            with self._lock:
+                self._expire()
+                self._stats.puts += 1
             for rec, err in checked:
-                if err is None and rec.parent is not None and rec.parent in rejected_keys:
-                    err = ("parent_rejected", "parent was rejected")
-                parent = self.index.get(rec.parent) if err is None and rec.parent else None
-                if err is None and rec.parent is not None and parent is None:
-                    err = ("parent_not_stored", "parent is not stored")
+                with self._lock:
+                    if err is None and rec.parent is not None and rec.parent in rejected_keys:
+                        err = ("parent_rejected", "parent was rejected")
+                    parent = self.index.get(rec.parent) if err is None and rec.parent else None
+                    if err is None and rec.parent is not None and parent is None:
+                        err = ("parent_not_stored", "parent is not stored")
+                    node = self.index.get(rec.key) if err is None else None
+                    if node is not None:
+                        self.index.touch([node])
                 if err is not None:
                     rejected.append((rec.key, err[1]))
                     rejected_keys.add(rec.key)
                     self._reject(err[0])
                     continue
-                node = self.index.get(rec.key)
                 if node is not None:
-                    self.index.touch([node])
                     dups += 1
                     continue
                 if parent is not None and rec.ns != parent.ns:
                     rec = dataclasses.replace(rec, ns=parent.ns)  # a chain has one namespace
                 try:
                     self._mover.admit(rec)
-                except TierFullError:
+                except TierFullError as exc:
+                    full = exc
+                    rejected.append((rec.key, f"tiers full: {exc}"))
+                    rejected_keys.add(rec.key)
                     self._reject("tiers_full")
-                    raise
+                    continue
                 new.append(rec)
                 stored += 1
             if self._persist and self.write_policy == "write_through" and self.last > 0:
                 self._write_behind(new)
-            self._stats.put_chunks += stored
-            self._stats.put_duplicates += dups
+            with self._lock:
+                self._stats.put_chunks += stored
+                self._stats.put_duplicates += dups
+        if full is not None and stored == 0 and dups == 0:
+            raise full
         return PutResult(stored, dups, rejected)
 
     def _validate(self, rec: ChunkRecord) -> tuple[ChunkRecord, tuple[str, str] | None]:
@@ -202,20 +222,22 @@ class TieredStore:
 
     def _write_behind(self, records: list[ChunkRecord]) -> None:
         """Persist freshly admitted chunks (write_through), keeping the last tier prefix-closed."""
-        batch: list[ChunkRecord] = []
+        plan: list[ChunkRecord | Node] = []
         seen: set[bytes] = set()
-        for rec in records:
-            node = self.index.get(rec.key)
-            if node is None or node.in_tier(self.last):
-                continue
-            for anc in self.index.missing_ancestors(node, self.last):
-                if anc.key not in seen:
-                    seen.add(anc.key)
-                    batch.append(self._mover.record_of(anc))
-            seen.add(rec.key)
-            batch.append(rec)
-        if not batch:
+        with self._lock:
+            for rec in records:
+                node = self.index.get(rec.key)
+                if node is None or node.in_tier(self.last):
+                    continue
+                for anc in self.index.missing_ancestors(node, self.last):
+                    if anc.key not in seen:
+                        seen.add(anc.key)
+                        plan.append(anc)
+                seen.add(rec.key)
+                plan.append(rec)
+        if not plan:
             return
+        batch = [self._mover.record_of(x) if isinstance(x, Node) else x for x in plan]
         try:
             self._mover.copy_records(batch, self.last)
         except TierFullError as exc:
@@ -241,33 +263,61 @@ class TieredStore:
     def get(self, keys: Sequence[ChunkKey]) -> list[bytes | bytearray]:
         """Payloads of the longest stored prefix of ``keys``, in order.
 
-        Upper-tier bytes are copied under the lock; lower-tier reads run outside
-        it with the nodes pinned, then the hits are promoted to the top tier.
+        The chunks are pinned under the index lock and copied outside it (the
+        persistent tier's in one batch); lower-tier hits are then promoted to
+        the top tier unless a writer is busy. A chunk that turns out corrupt
+        ends the prefix and is dropped with its suffixes; pins never outlive
+        the call, whatever fails.
         """
         _check_keys(keys)
         with self._lock:
             nodes = self.index.match(keys)
             self.index.touch(nodes)
-            out: list[bytes | bytearray | None] = [None] * len(nodes)
-            deferred: list[int] = []
-            for i, node in enumerate(nodes):
-                t = self.index.top_tier(node)
-                if self.tiers[t].persistent:
-                    node.leases += 1
-                    deferred.append(i)
-                    continue
-                (view,) = self.tiers[t].read([node.key])
-                out[i] = bytearray(view) if view is not None else None
-                self._count_hit(t, out[i])
+            where = [self.index.top_tier(n) for n in nodes]
+            for node in nodes:
+                node.leases += 1
             if len(nodes) < len(keys):
                 self._stats.misses += 1
-        if deferred:
-            self._read_deferred(nodes, deferred, out)
-        result = []
-        for payload in out:
-            if payload is None:
-                break
-            result.append(payload)
+        out: list[bytes | bytearray | None] = [None] * len(nodes)
+        try:
+            deferred = [i for i, t in enumerate(where) if self.tiers[t].persistent]
+            for i, (node, t) in enumerate(zip(nodes, where)):
+                if not self.tiers[t].persistent:
+                    (view,) = self.tiers[t].read([node.key])
+                    out[i] = bytearray(view) if view is not None else None
+            if deferred:
+                payloads = self.tiers[self.last].read([nodes[i].key for i in deferred])
+                for i, payload in zip(deferred, payloads, strict=True):
+                    out[i] = payload
+        finally:
+            with self._lock:
+                for node in nodes:
+                    node.leases -= 1
+                self._mover.collect_garbage()
+        return self._finish_get(nodes, where, out)
+
+    def _finish_get(self, nodes: list[Node], where: list[int], out: list) -> list:
+        result: list[bytes | bytearray] = []
+        corrupt: Node | None = None
+        with self._lock:
+            for node, t, payload in zip(nodes, where, out):
+                if payload is None:
+                    # gone from that tier since it was matched (evicted, deleted) or corrupt
+                    if self.index.get(node.key) is node and node.in_tier(t):
+                        self._tstats[t].corrupt += 1
+                        corrupt = node
+                    break
+                result.append(payload)
+                self._count_hit(t, payload)
+        if corrupt is not None:
+            with self._wlock:
+                self._mover.drop_subtree(corrupt.key, "corrupt or missing value")
+        lower = [(n, p) for n, t, p in zip(nodes, where, result) if t > 0]
+        if lower and self._wlock.acquire(blocking=False):
+            try:
+                self._promote(lower)
+            finally:
+                self._wlock.release()
         return result
 
     def get_shm(
@@ -275,10 +325,11 @@ class TieredStore:
     ) -> tuple[int | None, list[ShmRef | memoryview | bytes | bytearray]]:
         """For same-host readers: the longest stored prefix under a new lease.
 
-        Chunks the shared-memory tier holds come back as ``ShmRef`` (valid while
-        the lease lasts); others as bytes, which are then promoted. With ``views``
-        the former come back as read-only views of their slots, equally valid while
-        the lease lasts: the service streams them out with no copy of its own.
+        Chunks the shared-memory tier holds in one piece come back as ``ShmRef``
+        (valid while the lease lasts); others as bytes, which are then promoted.
+        With ``views`` the former come back as read-only views of their bytes,
+        equally valid while the lease lasts: the service streams them out with no
+        copy of its own.
         """
         _check_keys(keys)
         shm_tier = next(
@@ -294,16 +345,18 @@ class TieredStore:
             lease_id = self.index.lease(nodes, lease_ttl_s)
             refs: list = []
             for node in nodes:
+                handle = None
                 if shm_tier is not None and node.in_tier(shm_tier):
-                    tier = self.tiers[shm_tier]
-                    offset, length = tier.slot_handle(node.key)
-                    if views:
-                        refs.append(tier.read([node.key])[0])
-                    else:
-                        refs.append(ShmRef(tier.region_name, offset, length))
-                    self._count_hit(shm_tier, length)
-                else:
+                    handle = self.tiers[shm_tier].slot_handle(node.key)
+                if handle is None:
                     refs.append(None)
+                    continue
+                tier = self.tiers[shm_tier]
+                if views:
+                    refs.append(tier.read([node.key])[0])
+                else:
+                    refs.append(ShmRef(tier.region_name, handle[0], handle[1]))
+                self._count_hit(shm_tier, handle[1])
         missing = [i for i, ref in enumerate(refs) if ref is None]
         if missing:
             payloads = self.get([n.key for n in nodes[: missing[-1] + 1]])
@@ -314,40 +367,33 @@ class TieredStore:
                 refs[i] = payloads[i]
         return lease_id, refs
 
-    def _read_deferred(self, nodes: list[Node], idx: list[int], out: list) -> None:
-        last = self.last
-        payloads = self.tiers[last].read([nodes[i].key for i in idx])
-        with self._lock:
-            for i in idx:
-                nodes[i].leases -= 1
-            hits = []
-            for i, payload in zip(idx, payloads, strict=False):
-                if payload is None:
-                    self._tstats[last].corrupt += 1
-                    self._mover.drop_subtree(nodes[i].key, "corrupt or missing value")
-                    break
-                out[i] = payload
-                hits.append((nodes[i], payload))
-                self._count_hit(last, payload)
-            if self.last > 0:
-                self._promote(hits)
-
     def _promote(self, hits: list[tuple[Node, bytes | bytearray]]) -> None:
+        """Copy read hits into the top tier (writer lock held). Only an optimisation:
+        a chunk the top tier cannot take stays where it is."""
         top = self.tiers[0]
         for node, payload in hits:
-            if self.index.get(node.key) is not node or node.tiers & 1:
-                continue
-            plan = self.index.plan_eviction(0, top.cost(len(payload)))
+            cost = top.cost(len(payload))
+            with self._lock:
+                if self.index.get(node.key) is not node or node.in_tier(0):
+                    continue
+                if cost > top.capacity_bytes:
+                    continue
+                plan = self.index.plan_eviction(0, cost)
             if plan is None:
                 return
             self._mover.execute(plan)
             parent = node.parent.key if node.parent else None
             try:
                 top.write([ChunkRecord(node.key, parent, node.ns, payload)])
-            except TierFullError:  # the bytes were read; promotion is only an optimisation
+            except KVStoreError as exc:
+                log.debug("promotion of %s skipped: %s", node.key.hex(), exc)
                 return
-            self.index.add(node.key, None, node.ns, node.size, 0)
-            self._tstats[0].promotions_in += 1
+            with self._lock:
+                if self.index.get(node.key) is node:
+                    self.index.add(node.key, None, node.ns, node.size, 0)
+                    self._tstats[0].promotions_in += 1
+                    continue
+            top.delete([node.key])
 
     def _count_hit(self, tier: int, payload: bytes | bytearray | int | None) -> None:
         if payload is not None:
@@ -381,17 +427,19 @@ class TieredStore:
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         """Delete chunks and everything stored after them; returns chunks removed."""
         _check_keys(keys)
-        with self._lock:
-            removed = self.index.delete(keys)
+        with self._wlock:
+            with self._lock:
+                removed = self.index.delete(keys)
             self._mover.free(removed)
         return len(removed)
 
     def delete_namespace(self, ns: bytes) -> int:
         check_ns(ns)
-        with self._lock:
-            if ns not in self.index.namespaces():
-                raise NotFound(f"namespace {ns.hex()} has no stored chunks")
-            removed = self.index.delete_namespace(ns)
+        with self._wlock:
+            with self._lock:
+                if ns not in self.index.namespaces():
+                    raise NotFound(f"namespace {ns.hex()} has no stored chunks")
+                removed = self.index.delete_namespace(ns)
             self._mover.free(removed)
         return len(removed)
 
@@ -417,8 +465,9 @@ class TieredStore:
         """Persist every chunk that only upper tiers hold (write_back and shutdown)."""
         if not self.tiers[-1].persistent or self.last == 0:
             return
-        with self._lock:
-            pending = [n for n in self._tree_order() if not n.in_tier(self.last)]
+        with self._wlock:
+            with self._lock:
+                pending = [n for n in self._tree_order() if not n.in_tier(self.last)]
             if pending:
                 self._mover.copy_down(pending, self.last)
 
@@ -434,7 +483,7 @@ class TieredStore:
     def close(self) -> None:
         if self.write_policy == "write_back":
             self.flush()
-        with self._lock:
+        with self._wlock, self._lock:
             self._mover.collect_garbage(force=True)
             for tier in self.tiers:
                 tier.close()

@@ -1,6 +1,7 @@
 """Real chunk payloads for tests: valid headers, distinct contents, chained keys.
 
-Offers ``payload(seed)``, ``chain(n, seed, ns)``, ``keys_of`` and ``payloads_of``.
+Offers ``payload(seed)``, ``chain(n, seed, ns)``, ``keys_of``, ``payloads_of`` and
+``CHUNK_COST``, the room one such chunk takes in a memory tier.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import torch
 
 from kvstore import codec
 from kvstore.keys import Namespace, chunk_keys
+from kvstore.tiers.extents import ExtentTable
 from kvstore.types import ChunkRecord
 
 SHAPE = (2, 2, 32, 64)  # 32 KiB of fp16 K+V per chunk
@@ -20,6 +22,9 @@ def payload(seed: int) -> bytes:
     k = torch.randn(SHAPE, generator=g).half()
     v = torch.randn(SHAPE, generator=g).half()
     return bytes(codec.encode(k, v, "raw"))
+
+
+CHUNK_COST = ExtentTable.cost(len(payload(0)))
 
 
 def chain(n: int, seed: int = 0, ns: Namespace = NAMESPACE) -> list[ChunkRecord]:

@@ -9,8 +9,9 @@ import pytest
 from kvstore.store import TieredStore
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.nvme import NvmeTier
+from tests.chunks import CHUNK_COST
 
-SLOT = 40 * 1024  # one tests.chunks payload (32 KiB + header) per slot
+SLOT = CHUNK_COST  # room for one tests.chunks payload (32 KiB + header) in a memory tier
 MiB = 1 << 20
 
 
@@ -36,6 +37,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def open_store(tmp_path):
     """``open_store(dram_slots, nvme_bytes, policy, path=..., nvme={...}, **store_kw)``.
 
+    ``dram_slots`` sizes the dram tier to hold that many ``tests.chunks`` payloads.
+
     A fresh store over real shared memory and an LMDB in ``tmp_path`` (or ``path``),
     closed at teardown. Reopening the same path rebuilds the index from LMDB.
     """
@@ -44,7 +47,7 @@ def open_store(tmp_path):
     def _open(dram_slots=64, nvme_bytes=64 * MiB, policy="write_through", path=None, **kw):
         tiers = []
         if dram_slots:
-            tiers.append(DramTier(dram_slots * SLOT, SLOT))
+            tiers.append(DramTier(dram_slots * SLOT))
         if nvme_bytes:
             lmdb_path = str(path or tmp_path / "lmdb")
             tiers.append(NvmeTier(lmdb_path, nvme_bytes, **kw.pop("nvme", {})))

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KVSTORE = str(Path(sys.executable).parent / "kvstore")
 
 
-def store_config(path: Path, lmdb: Path, dram: str = "64MiB", slot: str = "1MiB") -> Path:
+def store_config(path: Path, lmdb: Path, dram: str = "64MiB") -> Path:
     path.write_text(
         "\n".join(
             [
@@ -26,7 +26,6 @@ def store_config(path: Path, lmdb: Path, dram: str = "64MiB", slot: str = "1MiB"
                 "  grace_s: 5",
                 "dram:",
                 f"  capacity_bytes: {dram}",
-                f"  slot_bytes: {slot}",
                 "nvme:",
                 f"  path: {lmdb}",
                 "  map_size: 512MiB",

@@ -41,14 +41,14 @@ class TierSpec:
 
     name: str
     capacity_bytes: int
-    slot_bytes: int | None = None
+    cost_of: Callable[[int], int] | None = None  # the tier's own rounding; bytes as-is if None
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
             raise ValueError(f"tier {self.name}: capacity_bytes must be positive")
 
     def cost(self, size: int) -> int:
-        return self.slot_bytes if self.slot_bytes is not None else size
+        return self.cost_of(size) if self.cost_of is not None else size
 
 
 @dataclass(frozen=True, slots=True)

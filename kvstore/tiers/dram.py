@@ -1,150 +1,125 @@
-"""Host DRAM tier: one shared-memory region (``/dev/shm``) cut into fixed-size slots.
+"""Host DRAM tier: one shared-memory region (``/dev/shm``) shared by chunks of any size.
 
 Offers ``DramTier`` (the ``Tier`` interface plus ``read_into``, ``slot_handle``,
-``region_name``, ``slot_bytes``) and ``attach_region(name)`` for a same-host client
-that maps the region to read slots zero-copy.
+``region_name``). Space is handed out by an ``ExtentTable``: each chunk takes its
+16-byte key and its payload, rounded up to 512 B, so ``cost(n)`` is that, and
+one region serves every chunk size and namespace at once.
 
-A chunk occupies a whole slot, so ``cost(n)`` is ``slot_bytes``. ``read`` returns
-read-only views into the region: a view stays valid until its key is deleted or
-overwritten, so a caller that keeps the bytes longer copies them out (``read_into``
-copies straight into the caller's buffer). Writes and deletes are serialized; reads
-take no lock, so the caller keeps a key from being deleted while it reads it (the
-index's leases do). Pinning the region with
-``cudaHostRegister`` belongs to the CUDA side, so this module stays free of torch.
+``read`` returns read-only views into the region for chunks stored in one piece
+(a copy for a chunk split over several): a view stays valid until its key is
+deleted, so a caller that keeps the bytes longer copies them out (``read_into``
+copies straight into the caller's buffer). Bytes are copied with no lock held;
+the caller keeps a key from being deleted while it reads it (the index's leases
+do). Same-host readers find the key in the 16 bytes before each payload and
+check it. Pinning the region with ``cudaHostRegister`` belongs to the CUDA side,
+so this module stays free of torch.
 """
 
 from __future__ import annotations
 
-import contextlib
-import mmap
-import os
-import secrets
-import threading
 from collections.abc import Sequence
-from multiprocessing import shared_memory
 
 import numpy as np
 
 from kvstore.tiers.buffers import as_u8
-from kvstore.tiers.slots import SlotTable, SlotTierOps
-from kvstore.types import ChunkKey, ChunkRecord, InvalidArgument, KVStoreError
-
-SHM_DIR = "/dev/shm"
-
-
-def attach_region(name: str) -> mmap.mmap:
-    """Map an existing region read-only by its ``region_name`` (same host, any process).
-
-    Plain ``mmap`` of ``/dev/shm/<name>`` rather than ``SharedMemory(create=False)``:
-    on Python < 3.13 the latter registers the region with the attaching process's
-    resource tracker, which unlinks it when that process exits.
-    """
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
-    try:
-        return mmap.mmap(fd, 0, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
+from kvstore.tiers.extents import Allocation, ExtentTable, ExtentTierOps
+from kvstore.tiers.shm_region import ShmRegion, reclaim_stale
+from kvstore.types import KEY_BYTES, ChunkKey, ChunkRecord, InvalidArgument, KVStoreError, check_key
 
 
-class DramTier(SlotTierOps):
+class DramTier(ExtentTierOps):
     persistent = False
 
     def __init__(
-        self,
-        capacity_bytes: int,
-        slot_bytes: int,
-        *,
-        region_name: str | None = None,
-        name: str = "dram",
+        self, capacity_bytes: int, *, region_name: str | None = None, name: str = "dram"
     ) -> None:
-        if slot_bytes <= 0:
-            raise InvalidArgument(f"dram slot_bytes must be positive, got {slot_bytes}")
-        num_slots = capacity_bytes // slot_bytes
         self.name = name
-        self.slot_bytes = slot_bytes
-        self.capacity_bytes = num_slots * slot_bytes
-        self._table = SlotTable(name, num_slots, slot_bytes)
-        self._mutate = threading.Lock()  # writes and deletes; reads take no lock
-        _check_shm_room(self.capacity_bytes)
-        region_name = region_name or f"kvstore-{secrets.token_hex(6)}"
-        try:
-            self._shm = shared_memory.SharedMemory(
-                name=region_name, create=True, size=self.capacity_bytes
-            )
-        except FileExistsError as e:
-            raise KVStoreError(
-                f"shared-memory region {region_name!r} already exists: another store runs, "
-                f"or one crashed and left it; remove {SHM_DIR}/{region_name} if it is stale"
-            ) from e
-        self.region_name = self._shm.name
-        self._arr: np.ndarray | None = np.frombuffer(self._shm.buf, dtype=np.uint8)
+        self._table = ExtentTable(name, capacity_bytes)
+        self.capacity_bytes = self._table.capacity_bytes
+        reclaim_stale()
+        self._region = ShmRegion(self.capacity_bytes, region_name)
+        self.region_name = self._region.name
+        self._arr: np.ndarray | None = np.frombuffer(self._region.mmap, dtype=np.uint8)
         # Touch every page now so the first writes run at copy speed, not fault speed.
         self._arr.fill(0)
 
     def write(self, records: Sequence[ChunkRecord]) -> None:
-        """Store a batch, all or nothing: ``TierFullError`` if the free slots do not suffice."""
-        arr = self._region()
-        latest = self._table.payloads_by_key(records)
-        keys = list(latest)
-        with self._mutate:
-            slots = self._table.reserve(keys)
-            try:
-                for slot, src in zip(slots, latest.values(), strict=True):
-                    off = slot * self.slot_bytes
-                    np.copyto(arr[off : off + src.nbytes], src)
-            except BaseException:
-                self._table.abort(keys, slots)
-                raise
-            self._table.commit(keys, slots, [src.nbytes for src in latest.values()])
+        """Store a batch, all or nothing: ``TierFullError`` if the free bytes do not suffice.
 
-    def read(self, keys: Sequence[ChunkKey]) -> list[memoryview | None]:
-        """Zero-copy, read-only views; each valid until its key is deleted or overwritten."""
-        buf = self._region().data
-        out: list[memoryview | None] = []
+        A key stored already keeps its bytes (the key names the content).
+        """
+        arr = self._live()
+        latest = {check_key(r.key): as_u8(r.payload) for r in records}
+        allocs: list[tuple[Allocation, np.ndarray]] = []
+        try:
+            for key, src in latest.items():
+                alloc = self._table.reserve(key, src.nbytes)
+                if alloc is not None:
+                    allocs.append((alloc, src))
+            for alloc, src in allocs:
+                self._copy_in(arr, alloc, src)
+        except BaseException:
+            for alloc, _ in allocs:
+                self._table.abort(alloc)
+            raise
+        for alloc, _ in allocs:
+            self._table.commit(alloc)
+
+    @staticmethod
+    def _copy_in(arr: np.ndarray, alloc: Allocation, src: np.ndarray) -> None:
+        key_at = alloc.pieces[0][0]
+        arr[key_at : key_at + KEY_BYTES] = np.frombuffer(alloc.key, dtype=np.uint8)
+        done = 0
+        for off, n in alloc.payload_spans():
+            np.copyto(arr[off : off + n], src[done : done + n])
+            done += n
+
+    def read(self, keys: Sequence[ChunkKey]) -> list[memoryview | bytearray | None]:
+        """Zero-copy, read-only views (copies for split chunks); valid until deleted."""
+        arr = self._live()
+        out: list[memoryview | bytearray | None] = []
         for key in keys:
-            where = self.slot_handle(key)
-            out.append(None if where is None else buf[where[0] : where[0] + where[1]].toreadonly())
+            alloc = self._table.lookup(key)
+            if alloc is None:
+                out.append(None)
+            elif alloc.contiguous:
+                off = alloc.payload_offset
+                out.append(arr.data[off : off + alloc.length].toreadonly())
+            else:
+                buf = bytearray(alloc.length)
+                self._copy_out(arr, alloc, np.frombuffer(buf, dtype=np.uint8))
+                out.append(buf)
         return out
 
     def read_into(self, key: ChunkKey, dest: bytearray | memoryview | np.ndarray) -> int | None:
         """Copy one chunk into the writable buffer ``dest``; its length, or None if absent."""
-        arr = self._region()
-        where = self.slot_handle(key)
-        if where is None:
+        arr = self._live()
+        alloc = self._table.lookup(key)
+        if alloc is None:
             return None
-        off, length = where
         out = as_u8(dest, "dest")
-        if out.nbytes < length:
-            raise InvalidArgument(f"{self.name}: dest holds {out.nbytes} B, chunk is {length} B")
-        np.copyto(out[:length], arr[off : off + length])
-        return length
+        if out.nbytes < alloc.length:
+            raise InvalidArgument(
+                f"{self.name}: dest holds {out.nbytes} B, chunk is {alloc.length} B"
+            )
+        self._copy_out(arr, alloc, out)
+        return alloc.length
+
+    @staticmethod
+    def _copy_out(arr: np.ndarray, alloc: Allocation, out: np.ndarray) -> None:
+        done = 0
+        for off, n in alloc.payload_spans():
+            np.copyto(out[done : done + n], arr[off : off + n])
+            done += n
 
     def close(self) -> None:
         """Unmap and unlink the region. Idempotent."""
         if self._arr is None:
             return
         self._arr = None
-        # BufferError: views from read() are still alive; the mapping goes with the last one.
-        with contextlib.suppress(BufferError):
-            self._shm.close()
-        with contextlib.suppress(FileNotFoundError):
-            self._shm.unlink()
+        self._region.close()
 
-    def _region(self) -> np.ndarray:
+    def _live(self) -> np.ndarray:
         if self._arr is None:
             raise KVStoreError(f"{self.name} tier is closed")
         return self._arr
-
-
-def _check_shm_room(nbytes: int) -> None:
-    # Touching pages past the tmpfs limit kills the process with SIGBUS; fail clearly instead.
-    try:
-        st = os.statvfs(SHM_DIR)
-    except OSError:
-        return
-    free = st.f_bavail * st.f_frsize
-    if nbytes > free:
-        raise InvalidArgument(
-            f"dram tier needs {nbytes} B of shared memory but {SHM_DIR} has {free} B free; "
-            "lower dram capacity or enlarge /dev/shm (docker: --shm-size)"
-        )

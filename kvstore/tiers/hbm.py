@@ -1,23 +1,23 @@
-"""GPU HBM tier: one CuPy device allocation cut into fixed-size slots.
+"""GPU HBM tier: one CuPy device allocation shared by chunks of any size.
 
-Offers ``HbmTier``: the ``Tier`` interface plus ``read_into(key, dest)``,
-``device_ptr(key)`` and ``slot_handle(key)``. ``read`` copies device to host and
-returns ``bytearray``s. A chunk occupies a whole slot, so ``cost(n)`` is
-``slot_bytes``. CuPy is imported lazily here and nowhere else, so hosts without a
-GPU never need it.
+Offers ``HbmTier``: the ``Tier`` interface plus ``read_into(key, dest)`` and
+``slot_handle(key)``. ``read`` copies device to host and returns ``bytearray``s.
+Space is handed out by an ``ExtentTable`` (the same as the dram tier's), so
+``cost(n)`` is the payload plus its key rounded up to 512 B. Bytes are copied
+with no lock held. CuPy is imported lazily here and nowhere else, so hosts
+without a GPU never need it.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from types import ModuleType
 
 import numpy as np
 
 from kvstore.tiers.buffers import as_u8
-from kvstore.tiers.slots import SlotTable, SlotTierOps
-from kvstore.types import ChunkKey, ChunkRecord, InvalidArgument, KVStoreError
+from kvstore.tiers.extents import Allocation, ExtentTable, ExtentTierOps
+from kvstore.types import KEY_BYTES, ChunkKey, ChunkRecord, InvalidArgument, KVStoreError, check_key
 
 
 def _cupy() -> ModuleType:
@@ -31,20 +31,13 @@ def _cupy() -> ModuleType:
     return cupy
 
 
-class HbmTier(SlotTierOps):
+class HbmTier(ExtentTierOps):
     persistent = False
 
-    def __init__(
-        self, capacity_bytes: int, slot_bytes: int, *, device: int = 0, name: str = "hbm"
-    ) -> None:
-        if slot_bytes <= 0:
-            raise InvalidArgument(f"hbm slot_bytes must be positive, got {slot_bytes}")
-        num_slots = capacity_bytes // slot_bytes
+    def __init__(self, capacity_bytes: int, *, device: int = 0, name: str = "hbm") -> None:
         self.name = name
-        self.slot_bytes = slot_bytes
-        self.capacity_bytes = num_slots * slot_bytes
-        self._table = SlotTable(name, num_slots, slot_bytes)
-        self._mutate = threading.Lock()  # writes and deletes; reads take no lock
+        self._table = ExtentTable(name, capacity_bytes)
+        self.capacity_bytes = self._table.capacity_bytes
         self._cp = _cupy()
         self._device = self._cp.cuda.Device(device)
         with self._device:
@@ -58,32 +51,40 @@ class HbmTier(SlotTierOps):
             )
 
     def write(self, records: Sequence[ChunkRecord]) -> None:
-        """Copy a batch host to device, all or nothing; ``TierFullError`` if slots run out."""
+        """Copy a batch host to device, all or nothing; ``TierFullError`` if room runs out."""
         slab = self._live()
-        latest = self._table.payloads_by_key(records)
-        keys = list(latest)
-        with self._mutate:
-            slots = self._table.reserve(keys)
-            try:
-                with self._device:
-                    for slot, src in zip(slots, latest.values(), strict=True):
-                        off = slot * self.slot_bytes
-                        slab[off : off + src.nbytes].set(src)
-                    # The caller may reuse its buffers once write() returns.
-                    self._cp.cuda.get_current_stream().synchronize()
-            except BaseException:
-                self._table.abort(keys, slots)
-                raise
-            self._table.commit(keys, slots, [src.nbytes for src in latest.values()])
+        latest = {check_key(r.key): as_u8(r.payload) for r in records}
+        allocs: list[tuple[Allocation, np.ndarray]] = []
+        try:
+            for key, src in latest.items():
+                alloc = self._table.reserve(key, src.nbytes)
+                if alloc is not None:
+                    allocs.append((alloc, src))
+            with self._device:
+                for alloc, src in allocs:
+                    at = alloc.pieces[0][0]
+                    slab[at : at + KEY_BYTES].set(np.frombuffer(alloc.key, dtype=np.uint8))
+                    done = 0
+                    for off, n in alloc.payload_spans():
+                        slab[off : off + n].set(src[done : done + n])
+                        done += n
+                # The caller may reuse its buffers once write() returns.
+                self._cp.cuda.get_current_stream().synchronize()
+        except BaseException:
+            for alloc, _ in allocs:
+                self._table.abort(alloc)
+            raise
+        for alloc, _ in allocs:
+            self._table.commit(alloc)
 
     def read(self, keys: Sequence[ChunkKey]) -> list[bytearray | None]:
         out: list[bytearray | None] = []
         for key in keys:
-            where = self._table.lookup(key)
-            if where is None:
+            alloc = self._table.lookup(key)
+            if alloc is None:
                 out.append(None)
                 continue
-            host = bytearray(where[1])
+            host = bytearray(alloc.length)
             self.read_into(key, host)
             out.append(host)
         return out
@@ -91,23 +92,20 @@ class HbmTier(SlotTierOps):
     def read_into(self, key: ChunkKey, dest: bytearray | memoryview | np.ndarray) -> int | None:
         """Copy one chunk device to host into ``dest``; its length, or None if absent."""
         slab = self._live()
-        where = self.slot_handle(key)
-        if where is None:
+        alloc = self._table.lookup(key)
+        if alloc is None:
             return None
-        off, length = where
         out = as_u8(dest, "dest")
-        if out.nbytes < length:
-            raise InvalidArgument(f"{self.name}: dest holds {out.nbytes} B, chunk is {length} B")
+        if out.nbytes < alloc.length:
+            raise InvalidArgument(
+                f"{self.name}: dest holds {out.nbytes} B, chunk is {alloc.length} B"
+            )
         with self._device:
-            slab[off : off + length].get(out=out[:length])
-        return length
-
-    def device_ptr(self, key: ChunkKey) -> int | None:
-        """The device address of a stored chunk, valid until it is deleted or overwritten."""
-        where = self.slot_handle(key)
-        if where is None:
-            return None
-        return self._live().data.ptr + where[0]
+            done = 0
+            for off, n in alloc.payload_spans():
+                slab[off : off + n].get(out=out[done : done + n])
+                done += n
+        return alloc.length
 
     def close(self) -> None:
         """Free the slab. Idempotent."""

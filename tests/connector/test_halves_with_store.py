@@ -29,7 +29,7 @@ NS = Namespace("tiny", "r0", LAYERS, HEADS, DIM, CHUNK, "raw", salt="kv_dtype=fl
 
 @pytest.fixture
 def store_address():
-    store = TieredStore([DramTier(64 << 20, 1 << 20)])
+    store = TieredStore([DramTier(64 << 20)])
     server = StoreServer(store, "127.0.0.1:0")
     port = server.start()
     yield f"127.0.0.1:{port}"

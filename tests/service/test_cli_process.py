@@ -26,7 +26,6 @@ def write_config(tmp_path: Path, **extra: str) -> Path:
         "  grace_s: 5",
         "dram:",
         "  capacity_bytes: 4MiB",
-        "  slot_bytes: 64KiB",
         "nvme:",
         f"  path: {tmp_path / 'lmdb'}",
         "  map_size: 256MiB",
@@ -67,7 +66,7 @@ def test_serve_stats_explain_metrics_and_graceful_stop(tmp_path):
         assert stats["chunks"] == "3"  # proto uint64 renders as a string in JSON
         assert {t["name"]: t["chunks"] for t in stats["tiers"]} == {"dram": "3", "nvme": "3"}
         table = cli("stats", "--address", served.address).stdout
-        assert re.search(r"^dram\s+4\.0 MiB\s+192\.0 KiB\s+4\.7%\s+3\b", table, re.M), table
+        assert re.search(r"^dram\s+4\.0 MiB\s+97\.5 KiB\s+2\.4%\s+3\b", table, re.M), table
         assert "hit rate 100.0%" in table
 
         done = cli("explain", "--address", served.address, *[r.key.hex() for r in records])

@@ -9,7 +9,7 @@ import torch
 from kvstore.client import ClientError, KVStoreClient
 from kvstore.pb import pb
 from kvstore.service import Limits
-from tests.chunks import chain
+from tests.chunks import CHUNK_COST, chain
 from tests.service.conftest import keys_of, payloads_of
 
 
@@ -97,13 +97,13 @@ def test_a_deleted_chunk_keeps_its_slot_until_the_shm_lease_ends(serve, open_sto
         assert client.lookup(keys_of(a)).matched == 0
         # b needs three new slots: if a's were free again, b[2] would take one of them
         client.put(b)
-        assert dram.free_slots == 0
+        assert dram.free_bytes == 0
         assert [read_region(h) for h in handles] == payloads_of(a)
         # the index counts a's held slots, so b made room by demoting its oldest chunk
         assert client.lookup(keys_of(b)).tiers == ["nvme", "dram", "dram"]
 
         stub.release(pb.ReleaseRequest(lease_id=lease))
-        assert dram.free_slots == 3
+        assert dram.free_bytes == 3 * CHUNK_COST
         client.put(c)
         c_batch = stub.get_shm(pb.GetShmRequest(keys=keys_of(c)))
         c_handles = list(c_batch.handles)

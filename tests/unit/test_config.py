@@ -37,7 +37,7 @@ def test_embedded_defaults_are_a_valid_localhost_store_with_dram_and_lmdb():
     assert cfg.server.max_message_bytes > cfg.server.max_chunk_bytes == 64 * MiB
     assert cfg.store.write_policy == "write_through" and cfg.store.eviction_policy == "lru"
     assert cfg.dram.enabled and cfg.dram.capacity_bytes == 2 * GiB
-    assert cfg.dram.slot_bytes == 4 * MiB + 64 * KiB
+    assert cfg.dram.slot_bytes == 0  # deprecated and ignored
     assert cfg.nvme.enabled and cfg.nvme.path == "./data/lmdb" and cfg.nvme.map_size == 64 * GiB
     assert not cfg.hbm.enabled
 
@@ -153,7 +153,7 @@ def test_format_size_is_the_exact_binary_spelling():
 
 
 BAD_VALUES = [
-    ("dram.slot_bytes", -1, "dram.slot_bytes must be positive, got -1"),
+    ("dram.slot_bytes", -1, "dram.slot_bytes must not be negative, got -1"),
     (
         "store.write_policy",
         "sometimes",
@@ -178,7 +178,7 @@ BAD_VALUES = [
     ("server.workers", 2.5, "must be an integer"),
     ("server.shm", "maybe", "must be true/false"),
     ("dram.capacity_bytes", "lots", "must be a size"),
-    ("dram.capacity_bytes", "1KiB", "must hold at least one slot of dram.slot_bytes"),
+    ("dram.capacity_bytes", "1KiB", "dram.capacity_bytes must be at least 65536 B"),
     ("nvme.path", "", "must not be empty"),
     ("nvme.path", 5, "must be a string"),
     ("nvme.map_size", 0, "must be positive"),
@@ -186,7 +186,7 @@ BAD_VALUES = [
     ("nvme.zstd_level", 23, "must be in 1..22"),
     ("nvme.zstd_level", 0, "must be in 1..22"),
     ("hbm.device", -1, "must not be negative"),
-    ("hbm.slot_bytes", 0, "must be positive"),
+    ("hbm.slot_bytes", -1, "must not be negative"),
 ]
 
 

@@ -16,7 +16,7 @@ from tests.chunks import chain
 @pytest.fixture
 def config(tmp_path) -> Config:
     return Config(
-        dram=DramConfig(capacity_bytes="1MiB", slot_bytes="64KiB"),
+        dram=DramConfig(capacity_bytes="1MiB"),
         nvme=NvmeConfig(path=str(tmp_path / "data" / "lmdb"), map_size="64MiB"),
     )
 
@@ -39,7 +39,7 @@ def test_tiers_come_fastest_first_and_the_lmdb_directory_is_created(config):
     tiers = factory.build_tiers(config)
     try:
         assert [t.name for t in tiers] == ["dram", "nvme"]
-        assert tiers[0].capacity_bytes == 1 << 20 and tiers[0].slot_bytes == 64 << 10
+        assert tiers[0].capacity_bytes == 1 << 20
         assert os.path.isdir(config.nvme.path)
     finally:
         for t in tiers:
@@ -78,7 +78,7 @@ def test_a_tier_that_fails_closes_the_ones_built_and_names_the_key(tmp_path, dra
     not_a_dir = tmp_path / "lmdb"
     not_a_dir.write_text("a file where the LMDB directory should be")
     config = Config(
-        dram=DramConfig(capacity_bytes="1MiB", slot_bytes="64KiB"),
+        dram=DramConfig(capacity_bytes="1MiB"),
         nvme=NvmeConfig(path=str(not_a_dir), map_size="16MiB"),
     )
     with pytest.raises(ConfigError, match=r"cannot build the nvme tier: .*nvme\.path") as e:
@@ -110,8 +110,20 @@ def _cuda_visible() -> bool:
 
 @pytest.mark.skipif(_cuda_visible(), reason="this host has a GPU, so the hbm tier builds")
 def test_hbm_without_a_gpu_is_a_config_error_naming_hbm(config):
-    with_hbm = dataclasses.replace(
-        config, hbm=HbmConfig(enabled=True, capacity_bytes="1MiB", slot_bytes="64KiB")
-    )
+    with_hbm = dataclasses.replace(config, hbm=HbmConfig(enabled=True, capacity_bytes="1MiB"))
     with pytest.raises(ConfigError, match=r"cannot build the hbm tier: .*hbm\.enabled to false"):
         factory.build_tiers(with_hbm)
+
+
+def test_the_old_slot_bytes_key_is_accepted_and_ignored_with_a_warning(config, caplog):
+    old = dataclasses.replace(config, dram=DramConfig(capacity_bytes="1MiB", slot_bytes="64KiB"))
+    with caplog.at_level("WARNING", logger="kvstore.factory"):
+        tiers = factory.build_tiers(old)
+    try:
+        assert "dram.slot_bytes is ignored" in caplog.text
+        big = chain(1)[0]
+        tiers[0].write([big])  # larger than the old 64 KiB "slot": fits all the same
+        assert bytes(tiers[0].read([big.key])[0]) == big.payload
+    finally:
+        for t in tiers:
+            t.close()

@@ -148,8 +148,8 @@ def test_delete_namespace():
     assert list(index.namespaces()) == [b"o" * 32]
 
 
-def test_slotted_tiers_charge_whole_slots():
-    index = RadixIndex([TierSpec("dram", 1000, slot_bytes=100)])
+def test_tiers_charge_what_their_cost_function_says():
+    index = RadixIndex([TierSpec("dram", 1000, cost_of=lambda n: -(-n // 100) * 100)])
     chain(index, 3, size=7)
     assert index.used[0] == 300
 

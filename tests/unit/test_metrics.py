@@ -10,9 +10,9 @@ from kvstore.stats import StoreStats, TierStats
 from kvstore.store import TieredStore
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.nvme import NvmeTier
-from tests.chunks import chain
+from tests.chunks import CHUNK_COST, chain
 
-SLOT = 40 * 1024
+SLOT = CHUNK_COST
 DRAM_SLOTS = 64
 MiB = 1 << 20
 
@@ -49,7 +49,7 @@ EXPORTED = {
 
 @pytest.fixture
 def store(tmp_path):
-    tiers = [DramTier(DRAM_SLOTS * SLOT, SLOT), NvmeTier(str(tmp_path / "lmdb"), 64 * MiB)]
+    tiers = [DramTier(DRAM_SLOTS * SLOT), NvmeTier(str(tmp_path / "lmdb"), 64 * MiB)]
     s = TieredStore(tiers, write_policy="write_through")
     yield s
     s.close()
@@ -126,7 +126,7 @@ def test_a_scrape_reports_the_traffic_exactly(store, serve):
     assert value(got, "kvstore_tier_chunks", **dram) == 4
     assert value(got, "kvstore_tier_chunks", **nvme) == 4  # written through
     assert value(got, "kvstore_tier_capacity_bytes", **dram) == DRAM_SLOTS * SLOT
-    assert value(got, "kvstore_tier_used_bytes", **dram) == 4 * SLOT  # a chunk costs a slot
+    assert value(got, "kvstore_tier_used_bytes", **dram) == 4 * SLOT  # key + payload, rounded
     assert value(got, "kvstore_tier_occupancy_ratio", **dram) == pytest.approx(4 / DRAM_SLOTS)
     nvme_used = value(got, "kvstore_tier_used_bytes", **nvme)
     nvme_capacity = value(got, "kvstore_tier_capacity_bytes", **nvme)

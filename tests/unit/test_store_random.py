@@ -15,9 +15,9 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 from kvstore.store import TieredStore
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.nvme import NvmeTier
-from tests.chunks import chain
+from tests.chunks import CHUNK_COST, chain
 
-SLOT = 40 * 1024
+SLOT = CHUNK_COST
 CHAINS = [chain(4, seed=s) for s in range(6)]
 PAYLOADS = {r.key: r.payload for c in CHAINS for r in c}
 
@@ -32,7 +32,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.durable: set[bytes] = set()
 
     def _open(self):
-        tiers = [DramTier(5 * SLOT, SLOT), NvmeTier(self.dir, 64 << 20)]
+        tiers = [DramTier(5 * SLOT), NvmeTier(self.dir, 64 << 20)]
         return TieredStore(tiers, write_policy=self.policy)
 
     @rule(c=st.integers(0, len(CHAINS) - 1), n=st.integers(1, 4))

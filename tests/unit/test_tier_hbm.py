@@ -29,7 +29,7 @@ def tier():
         pytest.skip("no CUDA device")
     from kvstore.tiers.hbm import HbmTier
 
-    t = HbmTier(capacity_bytes=4 * SLOT, slot_bytes=SLOT)
+    t = HbmTier(capacity_bytes=4 * SLOT)
     yield t
     t.close()
 
@@ -44,21 +44,21 @@ def test_round_trip_through_device_memory(tier):
     dest = np.zeros(SLOT, dtype=np.uint8)
     assert tier.read_into(key(2), dest) == 1000
     assert dest[:1000].tobytes() == recs[1].payload
-    ptr = tier.device_ptr(key(2))
-    mem = cupy.cuda.UnownedMemory(ptr, 1000, tier)
-    on_device = cupy.ndarray((1000,), cupy.uint8, cupy.cuda.MemoryPointer(mem, 0))
+    offset, length = tier.slot_handle(key(2))
+    on_device = tier._slab[offset : offset + length]
     assert cupy.asnumpy(on_device).tobytes() == recs[1].payload
 
 
 def test_full_and_oversize_batches_change_nothing(tier):
-    tier.write([record(i) for i in range(3)])
+    small = SLOT - 16  # with its key, exactly a quarter of the tier
+    tier.write([record(i, small) for i in range(3)])
     with pytest.raises(TierFullError):
-        tier.write([record(10), record(11)])
-    with pytest.raises(InvalidArgument, match="exceeds slot_bytes"):
-        tier.write([record(12, SLOT + 1)])
-    assert tier.free_slots == 1
+        tier.write([record(10, small), record(11, small)])
+    with pytest.raises(InvalidArgument, match="larger than the whole tier"):
+        tier.write([record(12, 4 * SLOT)])
+    assert tier.free_bytes == SLOT
     assert [bytes(v) for v in tier.read([key(i) for i in range(3)])] == [
-        record(i).payload for i in range(3)
+        record(i, small).payload for i in range(3)
     ]
     tier.delete([key(0)])
-    tier.write([record(10), record(11)])
+    tier.write([record(10, small), record(11, small // 2)])
