@@ -240,9 +240,16 @@ class TieredStore:
         batch = [self._mover.record_of(x) if isinstance(x, Node) else x for x in plan]
         try:
             self._mover.copy_records(batch, self.last)
-        except TierFullError as exc:
-            log.warning("write-through skipped: %s", exc)
-            self._reject("write_through_full")
+            return
+        except TierFullError:
+            pass
+        for i, rec in enumerate(batch):  # no room for all: persist the longest prefix that fits
+            try:
+                self._mover.copy_records([rec], self.last)
+            except TierFullError as exc:
+                log.warning("write-through skipped for %d chunks: %s", len(batch) - i, exc)
+                self._reject("write_through_full")
+                return
 
     # ---- reads ---------------------------------------------------------------------
 
