@@ -186,7 +186,7 @@ class ServerConfig(_Section):
     max_message_bytes: int = _size(65 * MiB, "largest gRPC message; must exceed max_chunk_bytes")
     max_keys_per_request: int = _opt(65536, "most keys one request may name")
     max_chunk_bytes: int = _size(64 * MiB, "largest chunk payload a Put may store")
-    shm: bool = _opt(True, "offer same-host clients shared-memory slot handles")
+    shm: bool = _opt(True, "offer same-host clients shared-memory handles")
     grace_s: float = _opt(10.0, "seconds in-flight calls get to finish at shutdown")
     workers: int = _opt(16, "gRPC server thread pool size")
 
