@@ -7,14 +7,14 @@ call; every call has a deadline; idempotent calls are retried on
 ``UNAVAILABLE`` with backoff. Errors surface as ``ClientError`` with the gRPC
 status code and the server's message. Payloads come back as zero-copy views
 of the received messages. A client on the same host as the store may ask for
-shared-memory handles (``shm=True``) and copy straight from the DRAM tier.
+shared-memory handles (``shm=True``) and copy straight from the DRAM tier; a
+copy it cannot trust (``kvstore.shm_reader``) is read again over TCP.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import mmap
+import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore import wire
 from kvstore.pb import SERVICE, pb
+from kvstore.shm_reader import ShmReader, ShmReadStats
 from kvstore.store import LookupResult, PutResult
 from kvstore.types import ChunkRecord, KVStoreError
 
@@ -48,6 +49,14 @@ class ClientOptions:
     backoff_s: float = 0.05
     max_message_bytes: int = DEFAULT_MAX_MESSAGE
     put_batch_bytes: int = PUT_BATCH_BYTES
+    # how long a shared-memory read may take before the store may reuse its slots;
+    # None takes the server's default. A read that outlasts it is redone over TCP.
+    shm_lease_ttl_s: float | None = None
+
+    def __post_init__(self) -> None:
+        ttl = self.shm_lease_ttl_s
+        if ttl is not None and not (math.isfinite(ttl) and ttl > 0):
+            raise ValueError(f"shm_lease_ttl_s must be a positive number of seconds, got {ttl}")
 
 
 def _channel_options(opts: ClientOptions) -> list[tuple[str, int]]:
@@ -92,46 +101,25 @@ def _copier(dest):
     """``copy(src)`` into ``dest``: a writable buffer or a contiguous CPU torch tensor.
 
     Tensors are filled with torch's own copy, which splits large copies across
-    threads; other buffers with numpy. Neither makes a temporary.
+    threads; other buffers, and read-only sources (bytes received over TCP, which
+    torch will not wrap without a warning), with numpy. Neither makes a temporary.
     """
     if hasattr(dest, "untyped_storage"):  # a torch tensor has no buffer protocol
         import torch
 
         # view, not reshape: a non-contiguous tensor must fail, not be copied into a temporary
         flat = dest.view(-1).view(torch.uint8)
-        return lambda src: flat[: src.nbytes].copy_(torch.frombuffer(src, dtype=torch.uint8))
+        flat_t = flat.numpy()
+
+        def copy(src: memoryview) -> None:
+            if src.readonly:
+                np.copyto(flat_t[: src.nbytes], np.frombuffer(src, dtype=np.uint8))
+            else:
+                flat[: src.nbytes].copy_(torch.frombuffer(src, dtype=torch.uint8))
+
+        return copy
     flat_np = np.frombuffer(dest, dtype=np.uint8)
     return lambda src: np.copyto(flat_np[: src.nbytes], np.frombuffer(src, dtype=np.uint8))
-
-
-class _ShmReader:
-    """Maps DRAM regions named by the server, once each.
-
-    The mapping is private: the store's writes show through, and since nothing
-    is ever written here no page is copied, but the views are writable, which
-    lets torch wrap them without a copy or a warning, and a stray write could
-    never reach the store.
-    """
-
-    def __init__(self) -> None:
-        self._maps: dict[str, mmap.mmap] = {}
-
-    def view(self, handle: pb.ShmHandle) -> memoryview:
-        region = self._maps.get(handle.region)
-        if region is None:
-            with open(f"/dev/shm/{handle.region}", "rb") as f:
-                region = mmap.mmap(
-                    f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-                )
-            self._maps[handle.region] = region
-        return memoryview(region)[handle.offset : handle.offset + handle.length]
-
-    def close(self) -> None:
-        for region in self._maps.values():
-            # a caller may still hold a view; then the OS unmaps the region at exit
-            with contextlib.suppress(BufferError):
-                region.close()
-        self._maps.clear()
 
 
 def _decode_get(messages) -> list[memoryview]:
@@ -172,7 +160,7 @@ class KVStoreClient:
             _method("Explain"), pb.ExplainRequest.SerializeToString, pb.ExplainResponse.FromString
         )
         self._health = health_pb2_grpc.HealthStub(ch)
-        self._shm = _ShmReader()
+        self._shm = ShmReader()
 
     def _call(self, name: str, fn, *args, timeout_s: float | None = None, retry: bool = True):
         timeout = timeout_s if timeout_s is not None else self.options.timeout_s
@@ -212,13 +200,13 @@ class KVStoreClient:
         """
         if not shm:
             return self._get_bytes(keys, timeout_s)
-        out: list[memoryview] = []
+        out: dict[int, memoryview] = {}
 
         def copy(i: int, src: memoryview) -> None:
-            out.append(memoryview(bytearray(src)))
+            out[i] = memoryview(bytearray(src))
 
         n = self._shm_copy(keys, copy, timeout_s)
-        return out[:n]
+        return [out[i] for i in range(n)]
 
     def _get_bytes(self, keys: Sequence[bytes], timeout_s: float | None) -> list[memoryview]:
         req = pb.GetRequest(keys=keys)
@@ -228,27 +216,55 @@ class KVStoreClient:
         return _decode_get(messages)
 
     def _shm_copy(self, keys: Sequence[bytes], copy, timeout_s: float | None) -> int:
-        """``copy(i, view)`` each chunk of the stored prefix; returns how many there were.
+        """``copy(i, view)`` each chunk of the stored prefix; returns how many hold good bytes.
 
         Chunks in shared memory are copied under the batch's lease, which is then
-        released; the rest of the prefix (not in shared memory) comes from ``Get``.
+        released. A copy stands only if the store still held the lease at release
+        and the slot still holds the chunk's key (``ShmReader``); the others, and
+        the rest of the prefix (not in shared memory), come from ``Get``. If
+        ``Get`` finds fewer chunks than that, the count stops at the first chunk
+        without good bytes.
         """
-        req = pb.GetShmRequest(keys=keys)
+        ttl = self.options.shm_lease_ttl_s or 0.0
+        req = pb.GetShmRequest(keys=keys, lease_ttl_s=ttl)
         batch = self._call("GetShm", self._get_shm, req, timeout_s=timeout_s)
+        handles = batch.handles
         try:
-            for i, handle in enumerate(batch.handles):
-                copy(i, self._shm.view(handle))
+            bad = self._shm.copy_out(keys, handles, copy)
         finally:
-            if batch.lease_id:
-                with contextlib.suppress(ClientError):  # then the lease simply expires
-                    self.release(batch.lease_id)
-        done = len(batch.handles)
-        if batch.matched > done:
+            held = self._end_lease(batch.lease_id) if handles else True
+        stats = self._shm.stats
+        if not held:
+            stats.lease_lapsed += len(handles)
+            bad = set(range(len(handles)))
+        stats.chunks += len(handles) - len(bad)
+        stats.dropped += len(bad)
+        good = [i not in bad for i in range(len(handles))]
+        good += [False] * (batch.matched - len(handles))
+        if not all(good):
             rest = self._get_bytes(keys[: batch.matched], timeout_s)
-            for i in range(done, len(rest)):
-                copy(i, rest[i])
-            done = max(done, len(rest))
-        return done
+            for i in range(len(rest)):
+                if not good[i]:
+                    copy(i, rest[i])
+                    good[i] = True
+        return good.index(False) if False in good else len(good)
+
+    def _end_lease(self, lease_id: int) -> bool:
+        """Release a GetShm lease; False unless the store still held it until now."""
+        if not lease_id:
+            return False
+        try:
+            self.release(lease_id)
+        except ClientError:
+            # NOT_FOUND: it expired, so its slots may have been reused during the copy;
+            # any other failure leaves that unknown
+            return False
+        return True
+
+    @property
+    def shm_stats(self) -> ShmReadStats:
+        """Chunks this client took from shared memory, and why others came over TCP."""
+        return self._shm.stats
 
     def get_shm_into(
         self, keys: Sequence[bytes], dests: Sequence, timeout_s: float | None = None

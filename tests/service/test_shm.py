@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import secrets
+import time
+
 import grpc
 import pytest
 import torch
 
-from kvstore.client import ClientError, KVStoreClient
+from kvstore.client import ClientError, ClientOptions, KVStoreClient
 from kvstore.pb import pb
 from kvstore.service import Limits
+from kvstore.shm_reader import ShmReader
 from tests.chunks import CHUNK_COST, chain
 from tests.service.conftest import keys_of, payloads_of
 
@@ -28,6 +33,8 @@ def test_shm_get_returns_the_put_bytes_and_releases_its_lease(client, served):
     assert [bytes(p) for p in got] == payloads_of(records)
     assert client.stats().active_leases == 0
     assert served.store.stats().tiers[0].hits == 4
+    # every copy checked out (key, length, lease), so none was read again over TCP
+    assert (client.shm_stats.chunks, client.shm_stats.dropped) == (4, 0)
 
 
 def test_get_shm_into_fills_torch_tensors(client):
@@ -125,3 +132,203 @@ def test_a_read_that_cannot_promote_still_returns_the_bytes(serve, open_store, r
         assert client.lookup(keys_of(b)).tiers == ["nvme", "dram", "dram"]
         assert [bytes(p) for p in client.get(keys_of(b))] == payloads_of(b)
         stub.release(pb.ReleaseRequest(lease_id=first.lease_id))
+
+
+def mapped_regions() -> set[str]:
+    """Names of the /dev/shm files this process has mapped now."""
+    with open("/proc/self/maps") as f:
+        return {line.split("/dev/shm/", 1)[1].split()[0] for line in f if "/dev/shm/" in line}
+
+
+def answer_after_the_lease_lapses(monkeypatch, store, meanwhile) -> list:
+    """The next GetShm reaches its client only after its lease lapsed and ``meanwhile()``
+    ran, as for a client slower than its lease; returns the refs that answer gave."""
+    real = store.get_shm
+    given: list = []
+
+    def late(keys, lease_ttl_s, **kw):
+        lease_id, refs = real(keys, lease_ttl_s, **kw)
+        if not kw.get("views") and not given:  # GetShm, not Get (which streams the views)
+            given.extend(refs)
+            time.sleep(lease_ttl_s + 0.05)
+            meanwhile()
+        return lease_id, refs
+
+    monkeypatch.setattr(store, "get_shm", late)
+    return given
+
+
+def read_shm(client: KVStoreClient, records, into: bool) -> list[bytes]:
+    """The stored prefix of ``records`` through ``get(shm=True)`` or ``get_shm_into``."""
+    if not into:
+        return [bytes(p) for p in client.get(keys_of(records), shm=True)]
+    dests = [torch.zeros(len(r.payload), dtype=torch.uint8) for r in records]
+    n = client.get_shm_into(keys_of(records), dests)
+    return [bytes(d.numpy()) for d in dests[:n]]
+
+
+SLOW_READER = ClientOptions(timeout_s=10.0, shm_lease_ttl_s=0.05)
+
+
+@pytest.mark.parametrize("into", [False, True], ids=["get", "get_shm_into"])
+def test_a_copy_from_slots_reused_after_the_lease_lapsed_is_read_again(
+    serve, open_store, monkeypatch, into
+):
+    served = serve(open_store(dram_slots=8))
+    a, b = chain(3, seed=20), chain(16, seed=21)
+    given = answer_after_the_lease_lapses(monkeypatch, served.store, lambda: served.store.put(b))
+    with KVStoreClient(served.address, SLOW_READER) as client:
+        client.put(a)
+        assert client.lookup(keys_of(a)).tiers == ["dram"] * 3
+
+        got = read_shm(client, a, into)
+
+        # b filled the dram tier while the answer was on its way: a's handles hold b's bytes
+        assert len(given) == 3
+        assert all(read_region(ref) not in payloads_of(a) for ref in given)
+        assert got == payloads_of(a)  # from LMDB, over TCP
+        stats = client.shm_stats
+        assert (stats.chunks, stats.dropped, stats.lease_lapsed, stats.key_mismatch) == (0, 3, 3, 3)
+        assert client.stats().active_leases == 0
+
+
+@pytest.mark.parametrize("into", [False, True], ids=["get", "get_shm_into"])
+def test_a_lapsed_copy_of_chunks_deleted_meanwhile_counts_only_the_rest(
+    serve, open_store, monkeypatch, into
+):
+    served = serve(open_store(dram_slots=8))
+    a, b = chain(4, seed=22), chain(16, seed=23)
+
+    def delete_then_refill() -> None:
+        served.store.delete([a[2].key])  # a[2] and a[3]
+        served.store.put(b)
+
+    answer_after_the_lease_lapses(monkeypatch, served.store, delete_then_refill)
+    with KVStoreClient(served.address, SLOW_READER) as client:
+        client.put(a)
+        assert client.lookup(keys_of(a)).tiers == ["dram"] * 4
+
+        got = read_shm(client, a, into)
+
+        assert got == payloads_of(a)[:2]
+        assert client.shm_stats.dropped == 4
+
+
+def test_a_lapsed_lease_is_not_trusted_even_when_the_bytes_still_match(
+    serve, open_store, monkeypatch
+):
+    served = serve(open_store(dram_slots=8))
+    a = chain(3, seed=24)
+    # nothing overwrites the slots; stats() just lets the store notice the lease expired
+    answer_after_the_lease_lapses(monkeypatch, served.store, served.store.stats)
+    with KVStoreClient(served.address, SLOW_READER) as client:
+        client.put(a)
+        assert client.lookup(keys_of(a)).tiers == ["dram"] * 3
+
+        assert read_shm(client, a, into=False) == payloads_of(a)
+
+        stats = client.shm_stats
+        assert (stats.chunks, stats.dropped, stats.lease_lapsed, stats.key_mismatch) == (0, 3, 3, 0)
+        assert served.store.stats().expired_leases == 1
+
+
+def test_the_lease_ttl_option_must_be_a_positive_number():
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="shm_lease_ttl_s"):
+            ClientOptions(shm_lease_ttl_s=bad)
+
+
+def test_a_region_that_cannot_be_mapped_is_read_over_tcp(serve, open_store):
+    served = serve(open_store(dram_slots=8))
+    a = chain(3, seed=25)
+    with KVStoreClient(served.address) as client:
+        client.put(a)
+        os.unlink(f"/dev/shm/{served.store.tiers[0].region_name}")
+
+        assert read_shm(client, a, into=True) == payloads_of(a)
+
+        stats = client.shm_stats
+        assert (stats.chunks, stats.dropped, stats.region_unavailable) == (0, 3, 3)
+        assert client.stats().active_leases == 0
+
+
+@pytest.fixture
+def make_region():
+    """``make_region(chunks) -> (name, handles)``: a real /dev/shm file laid out as the dram
+    tier lays chunks out (each key just before its payload), removed at teardown."""
+    paths: list[str] = []
+
+    def _make(chunks: list[tuple[bytes, bytes]]) -> tuple[str, list[pb.ShmHandle]]:
+        name = f"kvtest-{secrets.token_hex(6)}"  # not kvstore-: no store may reclaim it
+        path = f"/dev/shm/{name}"
+        paths.append(path)
+        handles = []
+        with open(path, "wb") as f:
+            for key, payload in chunks:
+                f.write(key)
+                handles.append(pb.ShmHandle(region=name, offset=f.tell(), length=len(payload)))
+                f.write(payload + bytes(-len(payload) % 512))
+        return name, handles
+
+    yield _make
+    for path in paths:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def copy_all(reader: ShmReader, keys, handles) -> tuple[set[int], dict[int, bytes]]:
+    out: dict[int, bytes] = {}
+
+    def copy(i: int, src: memoryview) -> None:
+        out[i] = bytes(src)
+
+    return reader.copy_out(keys, handles, copy), out
+
+
+def test_the_reader_keeps_only_copies_of_the_key_asked_for_and_of_the_right_length(make_region):
+    a, b = chain(2, seed=26)
+    name, (ha, hb) = make_region([(a.key, a.payload), (b.key, b.payload)])
+    reader = ShmReader()
+    try:
+        assert copy_all(reader, [a.key, b.key], [ha, hb]) == (
+            set(),
+            {0: a.payload, 1: b.payload},
+        )
+        # the slot holds b: a copy made for a's key is not kept
+        assert copy_all(reader, [a.key], [hb])[0] == {0}
+        assert reader.stats.key_mismatch == 1
+        short = pb.ShmHandle(region=name, offset=ha.offset, length=ha.length - 1)
+        no_key = pb.ShmHandle(region=name, offset=0, length=ha.length)
+        past_end = pb.ShmHandle(region=name, offset=hb.offset, length=hb.length + 4096)
+        bad, out = copy_all(reader, [a.key, a.key, b.key], [short, no_key, past_end])
+        assert bad == {0, 1, 2} and reader.stats.bad_length == 3
+        assert set(out) == {0}  # handles outside the region are not even copied
+    finally:
+        reader.close()
+
+
+def test_the_reader_unmaps_a_region_once_the_store_names_another(make_region):
+    a, b = chain(2, seed=27)
+    old, (ha,) = make_region([(a.key, a.payload)])
+    new, (hb,) = make_region([(b.key, b.payload)])
+    reader = ShmReader()
+    try:
+        kept: list[memoryview] = []
+        assert reader.copy_out([a.key], [ha], lambda i, src: kept.append(src)) == set()
+        assert reader.mapped() == [old] and old in mapped_regions()
+
+        # a restarted store names a new region; a caller still holds a view of the old one
+        assert copy_all(reader, [b.key], [hb]) == (set(), {0: b.payload})
+        assert reader.mapped() == [new]
+        assert old in mapped_regions()  # the view keeps it mapped ...
+        kept.clear()
+        assert old not in mapped_regions()  # ... until it goes
+
+        gone = pb.ShmHandle(region="kvtest-gone", offset=16, length=hb.length)
+        odd = pb.ShmHandle(region="../shm/" + new, offset=16, length=hb.length)
+        assert copy_all(reader, [b.key, b.key], [gone, gone])[0] == {0, 1}
+        assert copy_all(reader, [b.key], [odd])[0] == {0}
+        assert reader.stats.region_unavailable == 3 and reader.stats.regions_mapped == 2
+        assert new not in mapped_regions()
+    finally:
+        reader.close()
