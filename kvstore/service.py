@@ -347,13 +347,13 @@ def generic_handler(service: KVStoreService) -> grpc.GenericRpcHandler:
 
     def unary(fn, req):
         return grpc.unary_unary_rpc_method_handler(
-            fn, request_deserializer=req.FromString, response_serializer=_serialize
+            _checked(service, fn), request_deserializer=_parser(req), response_serializer=_serialize
         )
 
     handlers = {
         "Lookup": unary(service.Lookup, pb.LookupRequest),
         "Get": grpc.unary_stream_rpc_method_handler(
-            service.Get, request_deserializer=pb.GetRequest.FromString
+            _checked(service, service.Get), request_deserializer=_parser(pb.GetRequest)
         ),
         "Put": grpc.stream_unary_rpc_method_handler(
             service.Put,
@@ -378,6 +378,38 @@ class _Malformed:
 
     def __init__(self, error: str) -> None:
         self.error = error
+
+
+def _parser(cls) -> Callable[[bytes], object]:
+    """``cls.FromString`` that hands a parse failure to the handler instead of raising.
+
+    A deserializer that raises makes gRPC answer INTERNAL ("Exception deserializing
+    request!"), blaming the server for the client's bytes.
+    """
+
+    def parse(data: bytes):
+        try:
+            return cls.FromString(data)
+        except Exception as exc:  # DecodeError and whatever else bad bytes provoke
+            return _Malformed(f"malformed {cls.DESCRIPTOR.name}: {exc}")
+
+    return parse
+
+
+def _checked(service: KVStoreService, fn):
+    """``fn`` for well-formed requests; INVALID_ARGUMENT (counted) for malformed ones."""
+    method = fn.__name__
+
+    def handler(request, context):
+        if isinstance(request, _Malformed):
+            return service._call(method, context, lambda: _refuse(request))
+        return fn(request, context)
+
+    return handler
+
+
+def _refuse(request: _Malformed):
+    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, request.error, "malformed_request")
 
 
 def _parse_put(data: bytes) -> list[ChunkRecord] | _Malformed:
