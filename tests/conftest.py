@@ -1,8 +1,10 @@
-"""Shared test set-up: skip ``gpu`` tests where CUDA is absent; ``open_store``."""
+"""Shared test set-up: skip ``gpu`` tests where CUDA is absent; ``open_store``; the
+session fails if it leaves a store's shared-memory region behind."""
 
 from __future__ import annotations
 
 import contextlib
+import time
 
 import pytest
 
@@ -10,6 +12,7 @@ from kvstore.store import TieredStore
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.nvme import NvmeTier
 from tests.chunks import CHUNK_COST
+from tests.shm_regions import left_behind
 
 SLOT = CHUNK_COST  # room for one tests.chunks payload (32 KiB + header) in a memory tier
 MiB = 1 << 20
@@ -31,6 +34,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shm_region_left_behind():
+    """Every region a store made during the session is gone at its end, or still held by
+    a live store of some other run: a killed store's is reclaimed by the next one."""
+    start = time.time()
+    yield
+    leaked = left_behind(start)
+    assert not leaked, f"the test session left shared-memory regions in /dev/shm: {leaked}"
 
 
 @pytest.fixture

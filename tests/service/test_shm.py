@@ -16,6 +16,7 @@ from kvstore.service import Limits
 from kvstore.shm_reader import ShmReader
 from tests.chunks import CHUNK_COST, chain
 from tests.service.conftest import keys_of, payloads_of
+from tests.shm_regions import mapped_here
 
 
 def read_region(handle: pb.ShmHandle) -> bytes:
@@ -132,12 +133,6 @@ def test_a_read_that_cannot_promote_still_returns_the_bytes(serve, open_store, r
         assert client.lookup(keys_of(b)).tiers == ["nvme", "dram", "dram"]
         assert [bytes(p) for p in client.get(keys_of(b))] == payloads_of(b)
         stub.release(pb.ReleaseRequest(lease_id=first.lease_id))
-
-
-def mapped_regions() -> set[str]:
-    """Names of the /dev/shm files this process has mapped now."""
-    with open("/proc/self/maps") as f:
-        return {line.split("/dev/shm/", 1)[1].split()[0] for line in f if "/dev/shm/" in line}
 
 
 def answer_after_the_lease_lapses(monkeypatch, store, meanwhile) -> list:
@@ -315,20 +310,20 @@ def test_the_reader_unmaps_a_region_once_the_store_names_another(make_region):
     try:
         kept: list[memoryview] = []
         assert reader.copy_out([a.key], [ha], lambda i, src: kept.append(src)) == set()
-        assert reader.mapped() == [old] and old in mapped_regions()
+        assert reader.mapped() == [old] and old in mapped_here()
 
         # a restarted store names a new region; a caller still holds a view of the old one
         assert copy_all(reader, [b.key], [hb]) == (set(), {0: b.payload})
         assert reader.mapped() == [new]
-        assert old in mapped_regions()  # the view keeps it mapped ...
+        assert old in mapped_here()  # the view keeps it mapped ...
         kept.clear()
-        assert old not in mapped_regions()  # ... until it goes
+        assert old not in mapped_here()  # ... until it goes
 
         gone = pb.ShmHandle(region="kvtest-gone", offset=16, length=hb.length)
         odd = pb.ShmHandle(region="../shm/" + new, offset=16, length=hb.length)
         assert copy_all(reader, [b.key, b.key], [gone, gone])[0] == {0, 1}
         assert copy_all(reader, [b.key], [odd])[0] == {0}
         assert reader.stats.region_unavailable == 3 and reader.stats.regions_mapped == 2
-        assert new not in mapped_regions()
+        assert new not in mapped_here()
     finally:
         reader.close()

@@ -1,0 +1,66 @@
+"""Shared-memory regions in ``/dev/shm`` as tests see them: ``regions()`` names the
+stores' regions, ``held(name)`` says whether a live process holds one (each store
+flocks its own), ``owned_here()`` those this process has open, ``mapped_here()`` every
+/dev/shm file this process maps, and ``left_behind(since)`` those nothing will remove."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import glob
+import os
+
+SHM_DIR = "/dev/shm"
+PREFIX = "kvstore-"
+
+
+def regions() -> set[str]:
+    return {os.path.basename(p) for p in glob.glob(os.path.join(SHM_DIR, PREFIX + "*"))}
+
+
+def held(name: str) -> bool:
+    """True while a live process holds the region's lock; False if free or gone."""
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def owned_here() -> set[str]:
+    """Regions this process has open: a store it never closed leaves them at exit."""
+    names = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(os.path.join(SHM_DIR, PREFIX)):
+                names.add(os.path.basename(target))
+    return names
+
+
+def mapped_here() -> set[str]:
+    with open("/proc/self/maps") as f:
+        return {line.split(SHM_DIR + "/", 1)[1].split()[0] for line in f if SHM_DIR + "/" in line}
+
+
+def left_behind(since: float) -> list[str]:
+    """Regions made at or after ``since`` (epoch seconds) that nothing will remove: no
+    live process holds them, or only this one, which will exit without closing them."""
+    here = owned_here()
+    out = []
+    for name in sorted(regions()):
+        with contextlib.suppress(FileNotFoundError):
+            st = os.stat(os.path.join(SHM_DIR, name))
+            if st.st_ctime < since or st.st_size == 0:  # older, or a store creating it now
+                continue
+            if name in here or not held(name):
+                out.append(name)
+    return out
