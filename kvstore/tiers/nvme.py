@@ -15,10 +15,14 @@ committed pages sit in the OS page cache, but not a power loss or kernel crash,
 which may lose or damage recent transactions. It is the right trade for a cache
 whose content can be recomputed; ``sync=True`` flushes every commit to the disk.
 ``close()`` flushes in both modes.
+
+One store per data directory: the tier holds an flock on ``kvstore.lock`` there
+while open and refuses a directory another live process holds.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import queue
 import shutil
@@ -54,6 +58,7 @@ from kvstore.types import (
 )
 
 MAX_TXN_BYTES = 64 << 20
+LOCK_FILE = "kvstore.lock"
 
 
 @dataclass(slots=True)
@@ -94,6 +99,7 @@ class NvmeTier:
         self._scratch = bytearray()
         self._max_txn_bytes = max_txn_bytes
         _check_disk_room(path, map_size)
+        self._dir_lock = _lock_data_dir(path)
         try:
             # readahead stays on: without it cold reads fall to a few dozen MB/s.
             self._env = lmdb.open(
@@ -109,6 +115,7 @@ class NvmeTier:
                 max_dbs=0,
             )
         except lmdb.Error as e:
+            os.close(self._dir_lock)
             raise KVStoreError(f"nvme tier: cannot open LMDB at {path}: {e}") from e
         self._local = threading.local()
         self._count_lock = threading.Lock()
@@ -342,6 +349,31 @@ class NvmeTier:
                 job.future.set_exception(KVStoreError("nvme tier closed before the write ran"))
         self._env.sync(True)
         self._env.close()
+        os.close(self._dir_lock)
+
+
+def _lock_data_dir(path: str) -> int:
+    """Hold ``path/kvstore.lock`` for as long as this tier is open; refuse a held one.
+
+    Two stores on one LMDB would each keep an index of it, blind to the other's
+    evictions and deletes. The kernel drops an flock when its holder dies, so a
+    crashed store never blocks its restart.
+    """
+    os.makedirs(path, exist_ok=True)
+    lock_path = os.path.join(path, LOCK_FILE)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise KVStoreError(
+            f"nvme tier: data directory {path} is in use by another kvstore (pid {holder}); "
+            "stop it, or give this store its own nvme.path"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def _check_disk_room(path: str, map_size: int) -> None:

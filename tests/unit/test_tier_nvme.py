@@ -254,3 +254,40 @@ def test_many_threads_writing_and_reading_at_once(tmp_path):
     assert errors == []
     assert len(list(tier.scan())) == 4 * 5 * 3
     tier.close()
+
+
+def test_a_data_directory_held_by_a_live_store_is_refused_and_a_killed_one_is_not(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    path = str(tmp_path / "lmdb")
+    first = NvmeTier(path, 16 << 20)
+    with pytest.raises(KVStoreError, match=rf"data directory {path} is in use .*pid {os.getpid()}"):
+        NvmeTier(path, 16 << 20)
+    first.close()
+    second = NvmeTier(path, 16 << 20)  # released on close
+    second.close()
+
+    code = textwrap.dedent(
+        f"""
+        import time
+        from kvstore.tiers.nvme import NvmeTier
+        t = NvmeTier({path!r}, 16 << 20)
+        print("open", flush=True)
+        time.sleep(600)
+        """
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        with pytest.raises(KVStoreError, match=f"pid {holder.pid}"):
+            NvmeTier(path, 16 << 20)
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+        NvmeTier(path, 16 << 20).close()  # the kernel dropped the dead holder's lock
+    finally:
+        holder.kill()
+        holder.stdout.close()
