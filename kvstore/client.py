@@ -20,12 +20,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
-import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore import wire
 from kvstore.pb import SERVICE, pb
-from kvstore.shm_reader import ShmReader, ShmReadStats
+from kvstore.shm_reader import ShmReader, ShmReadStats, copier
 from kvstore.store import LookupResult, PutResult
 from kvstore.types import ChunkRecord, KVStoreError
 
@@ -95,31 +94,6 @@ def _encoded(batches: list[list[ChunkRecord]]) -> Iterator[bytes]:
 
 def _put_result(resp: pb.PutResponse) -> PutResult:
     return PutResult(resp.stored, resp.duplicates, [(r.key, r.reason) for r in resp.rejected])
-
-
-def _copier(dest):
-    """``copy(src)`` into ``dest``: a writable buffer or a contiguous CPU torch tensor.
-
-    Tensors are filled with torch's own copy, which splits large copies across
-    threads; other buffers, and read-only sources (bytes received over TCP, which
-    torch will not wrap without a warning), with numpy. Neither makes a temporary.
-    """
-    if hasattr(dest, "untyped_storage"):  # a torch tensor has no buffer protocol
-        import torch
-
-        # view, not reshape: a non-contiguous tensor must fail, not be copied into a temporary
-        flat = dest.view(-1).view(torch.uint8)
-        flat_t = flat.numpy()
-
-        def copy(src: memoryview) -> None:
-            if src.readonly:
-                np.copyto(flat_t[: src.nbytes], np.frombuffer(src, dtype=np.uint8))
-            else:
-                flat[: src.nbytes].copy_(torch.frombuffer(src, dtype=torch.uint8))
-
-        return copy
-    flat_np = np.frombuffer(dest, dtype=np.uint8)
-    return lambda src: np.copyto(flat_np[: src.nbytes], np.frombuffer(src, dtype=np.uint8))
 
 
 def _decode_get(messages) -> list[memoryview]:
@@ -275,7 +249,7 @@ class KVStoreClient:
 
         Returns how many chunks were copied. Uses shared memory for DRAM chunks.
         """
-        copiers = [_copier(d) for d in dests]
+        copiers = [copier(d) for d in dests]
 
         def copy(i: int, src: memoryview) -> None:
             copiers[i](src)

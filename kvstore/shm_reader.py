@@ -2,8 +2,9 @@
 checked before they are trusted.
 
 Offers ``ShmReader`` (``copy_out(keys, handles, copy)`` returns the indices whose
-copy cannot be trusted; ``close()``) and ``ShmReadStats``, its counts of why a
-chunk was not taken from shared memory.
+copy cannot be trusted; ``close()``), ``ShmReadStats``, its counts of why a
+chunk was not taken from shared memory, and ``copier(dest)``, which copies into a
+caller's buffer or CPU tensor.
 
 A handle names a region under ``/dev/shm``, an offset and a length; the store
 writes each chunk's 16-byte key just before its payload. A copy is kept only if,
@@ -28,6 +29,8 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvstore.payload import parse_header
 from kvstore.pb import pb
 from kvstore.types import KEY_BYTES, PayloadError
@@ -50,6 +53,31 @@ class ShmReadStats:
     bad_length: int = 0  # the payload header disagrees with the handle's length
     region_unavailable: int = 0  # the region could not be mapped
     regions_mapped: int = 0  # a region mapped here, the first and each after a restart
+
+
+def copier(dest) -> Callable[[memoryview], None]:
+    """``copy(src)`` into ``dest``: a writable buffer or a contiguous CPU torch tensor.
+
+    Tensors are filled with torch's own copy, which splits large copies across
+    threads; other buffers, and read-only sources (bytes received over TCP, which
+    torch will not wrap without a warning), with numpy. Neither makes a temporary.
+    """
+    if hasattr(dest, "untyped_storage"):  # a torch tensor has no buffer protocol
+        import torch
+
+        # view, not reshape: a non-contiguous tensor must fail, not be copied into a temporary
+        flat = dest.view(-1).view(torch.uint8)
+        flat_t = flat.numpy()
+
+        def copy(src: memoryview) -> None:
+            if src.readonly:
+                np.copyto(flat_t[: src.nbytes], np.frombuffer(src, dtype=np.uint8))
+            else:
+                flat[: src.nbytes].copy_(torch.frombuffer(src, dtype=torch.uint8))
+
+        return copy
+    flat_np = np.frombuffer(dest, dtype=np.uint8)
+    return lambda src: np.copyto(flat_np[: src.nbytes], np.frombuffer(src, dtype=np.uint8))
 
 
 class _RegionUnavailable(Exception):
