@@ -198,7 +198,8 @@ class KVStoreService:
                 )
             if lease_id is not None and not handles:
                 # the lease id travels with handles only: with none, no client could release it
-                self.store.release(lease_id)
+                with contextlib.suppress(NotFound):  # it may have lapsed while bytes were read
+                    self.store.release(lease_id)
                 lease_id = None
             return pb.ShmBatch(matched=len(refs), lease_id=lease_id or 0, handles=handles)
 

@@ -148,8 +148,11 @@ class TieredStore:
         Per-chunk problems (a parent that is not stored, a bad payload, no room
         in any tier) reject that chunk and its descendants in the batch; the
         result says which. Chunks admitted before a tier filled up are still
-        written through. ``TierFullError`` is raised only when no chunk of the
-        batch could be stored for lack of room.
+        written through. Under ``write_through`` a chunk counts as stored only
+        once it is persisted; one that could not be (disk full, read-only) is
+        rejected as "not persisted" though it stays cached in memory. When no
+        chunk of the batch was stored, the cause is raised (``TierFullError``
+        for lack of room).
         """
         checked = [self._validate(r) for r in records]
         stored = dups = 0
@@ -192,7 +195,12 @@ class TieredStore:
                 new.append(rec)
                 stored += 1
             if self._persist and self.write_policy == "write_through" and self.last > 0:
-                self._write_behind(new)
+                lost, why = self._write_behind(new)
+                for rec in new:
+                    if rec.key in lost:  # cached above, but not acknowledged as stored
+                        rejected.append((rec.key, f"not persisted: {why}"))
+                        stored -= 1
+                full = why if lost else full
             with self._lock:
                 self._stats.put_chunks += stored
                 self._stats.put_duplicates += dups
@@ -220,8 +228,12 @@ class TieredStore:
         """Count a refusal under a short, fixed code (a metrics label, so never free text)."""
         self._stats.rejected[code] = self._stats.rejected.get(code, 0) + 1
 
-    def _write_behind(self, records: list[ChunkRecord]) -> None:
-        """Persist freshly admitted chunks (write_through), keeping the last tier prefix-closed."""
+    def _write_behind(self, records: list[ChunkRecord]) -> tuple[set[bytes], KVStoreError | None]:
+        """Persist freshly admitted chunks (write_through), keeping the last tier prefix-closed.
+
+        Returns the keys that could not be persisted and why: when the batch does not
+        fit whole, the longest prefix that fits is persisted, chunk by chunk.
+        """
         plan: list[ChunkRecord | Node] = []
         seen: set[bytes] = set()
         with self._lock:
@@ -236,20 +248,28 @@ class TieredStore:
                 seen.add(rec.key)
                 plan.append(rec)
         if not plan:
-            return
+            return set(), None
         batch = [self._mover.record_of(x) if isinstance(x, Node) else x for x in plan]
         try:
             self._mover.copy_records(batch, self.last)
-            return
+            return set(), None
         except TierFullError:
             pass
-        for i, rec in enumerate(batch):  # no room for all: persist the longest prefix that fits
+        except KVStoreError as exc:  # a read-only or failing disk: nothing of the batch
+            return self._not_persisted(batch, exc)
+        for i, rec in enumerate(batch):
             try:
                 self._mover.copy_records([rec], self.last)
-            except TierFullError as exc:
-                log.warning("write-through skipped for %d chunks: %s", len(batch) - i, exc)
-                self._reject("write_through_full")
-                return
+            except KVStoreError as exc:
+                return self._not_persisted(batch[i:], exc)
+        return set(), None
+
+    def _not_persisted(
+        self, batch: list[ChunkRecord], exc: KVStoreError
+    ) -> tuple[set[bytes], KVStoreError]:
+        log.warning("write-through failed for %d chunks: %s", len(batch), exc)
+        self._reject("write_through_full" if isinstance(exc, TierFullError) else "write_failed")
+        return {r.key for r in batch}, exc
 
     # ---- reads ---------------------------------------------------------------------
 
@@ -323,6 +343,8 @@ class TieredStore:
         if lower and self._wlock.acquire(blocking=False):
             try:
                 self._promote(lower)
+            except KVStoreError as exc:  # the bytes were read; promotion is only an optimisation
+                log.debug("promotion stopped: %s", exc)
             finally:
                 self._wlock.release()
         return result
@@ -375,8 +397,7 @@ class TieredStore:
         return lease_id, refs
 
     def _promote(self, hits: list[tuple[Node, bytes | bytearray]]) -> None:
-        """Copy read hits into the top tier (writer lock held). Only an optimisation:
-        a chunk the top tier cannot take stays where it is."""
+        """Copy read hits into the top tier (writer lock held); raises what stops it."""
         top = self.tiers[0]
         for node, payload in hits:
             cost = top.cost(len(payload))
@@ -390,11 +411,7 @@ class TieredStore:
                 return
             self._mover.execute(plan)
             parent = node.parent.key if node.parent else None
-            try:
-                top.write([ChunkRecord(node.key, parent, node.ns, payload)])
-            except KVStoreError as exc:
-                log.debug("promotion of %s skipped: %s", node.key.hex(), exc)
-                return
+            top.write([ChunkRecord(node.key, parent, node.ns, payload)])
             with self._lock:
                 if self.index.get(node.key) is node:
                     self.index.add(node.key, None, node.ns, node.size, 0)

@@ -22,7 +22,9 @@ while open and refuses a directory another live process holds.
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import logging
 import os
 import queue
 import shutil
@@ -57,8 +59,10 @@ from kvstore.types import (
     check_ns,
 )
 
+log = logging.getLogger(__name__)
 MAX_TXN_BYTES = 64 << 20
 LOCK_FILE = "kvstore.lock"
+DISK_SLACK = 4 << 20
 
 
 @dataclass(slots=True)
@@ -98,21 +102,30 @@ class NvmeTier:
             raise InvalidArgument(f"nvme zstd_level {zstd_level} is invalid: {e}") from e
         self._scratch = bytearray()
         self._max_txn_bytes = max_txn_bytes
-        _check_disk_room(path, map_size)
-        self._dir_lock = _lock_data_dir(path)
+        os.makedirs(path, exist_ok=True)
+        # a read-only data directory (a read-only mount, say) is served read-only
+        self.read_only = not os.access(path, os.W_OK)
+        if self.read_only:
+            log.warning("nvme tier: %s is read-only: serving its chunks, refusing puts", path)
+        else:
+            _check_disk_room(path, map_size)
+        self._dir_lock = _lock_data_dir(path, self.read_only)
         try:
             # readahead stays on: without it cold reads fall to a few dozen MB/s.
             self._env = lmdb.open(
                 path,
                 map_size=map_size,
                 subdir=True,
-                writemap=True,
+                # writemap would make LMDB's data file a sparse mapping whose holes the
+                # kernel fills on first touch: on a full disk that is SIGBUS, not an error.
+                writemap=False,
                 sync=sync,
                 metasync=sync,
                 readahead=True,
                 lock=True,
                 max_readers=max_readers,
                 max_dbs=0,
+                readonly=self.read_only,
             )
         except lmdb.Error as e:
             os.close(self._dir_lock)
@@ -145,6 +158,10 @@ class NvmeTier:
         fut.add_done_callback(lambda f: on_done(f.exception()))
 
     def delete(self, keys: Sequence[ChunkKey]) -> None:
+        """Drop a batch. On a read-only directory this forgets nothing on disk: the chunks
+        come back at the next start (their bytes are still right for their keys)."""
+        if self.read_only:
+            return
         self._submit("delete", [bytes(k) for k in keys]).result()
 
     def _checked(self, records: Sequence[ChunkRecord]) -> list[ChunkRecord]:
@@ -158,6 +175,10 @@ class NvmeTier:
     def _submit(self, kind: str, items: Sequence) -> Future:
         if self._closed:
             raise KVStoreError("nvme tier is closed")
+        if self.read_only:
+            raise KVStoreError(
+                f"nvme tier: {self.path} is not writable (read-only); reads still work"
+            )
         if threading.current_thread() is self._writer:
             raise KVStoreError("nvme tier: waiting for the writer from its own thread deadlocks")
         nbytes = sum(r.payload.nbytes for r in items) if kind == "put" else 0
@@ -195,18 +216,34 @@ class NvmeTier:
                 for job in group:
                     self._commit([job])
                 return
-            group[0].future.set_exception(self._translate(e))
+            group[0].future.set_exception(self._translate(e, group[0].nbytes))
             return
         for job in group:
             job.future.set_result(None)
 
-    def _translate(self, e: Exception) -> Exception:
+    def _disk_full(self, code: int | None, nbytes: int) -> bool:
+        # LMDB reports a short write as EIO: a disk without room for the transaction
+        # (and some page slack) is the likely cause, and then it is a full tier, not a fault
+        if code == errno.ENOSPC:
+            return True
+        if code != errno.EIO:
+            return False
+        try:
+            return shutil.disk_usage(self.path).free < 2 * nbytes + DISK_SLACK
+        except OSError:
+            return False
+
+    def _translate(self, e: Exception, nbytes: int = 0) -> Exception:
         if isinstance(e, lmdb.MapFullError):
             err: Exception = TierFullError(
                 f"nvme tier full: map_size={self.capacity_bytes} B reached; raise nvme map_size"
             )
         elif isinstance(e, KVStoreError):
             return e
+        elif self._disk_full(_errno_of(e), nbytes):
+            err = TierFullError(f"nvme tier full: the disk under {self.path} is full")
+        elif _errno_of(e) in (errno.EROFS, errno.EACCES, errno.EPERM):
+            err = KVStoreError(f"nvme tier: {self.path} is not writable ({e}); reads still work")
         else:
             err = KVStoreError(f"nvme write failed: {type(e).__name__}: {e}")
         err.__cause__ = e
@@ -315,7 +352,8 @@ class NvmeTier:
             return
         with self._count_lock:
             self.corrupt_count += len(keys)
-        self._submit("drop", keys).result()
+        if not self.read_only:  # else every read of them fails its checksum again: still a miss
+            self._submit("drop", keys).result()
 
     # -- start and stop --------------------------------------------------------------------------
 
@@ -352,16 +390,21 @@ class NvmeTier:
         os.close(self._dir_lock)
 
 
-def _lock_data_dir(path: str) -> int:
+def _lock_data_dir(path: str, read_only: bool) -> int:
     """Hold ``path/kvstore.lock`` for as long as this tier is open; refuse a held one.
 
     Two stores on one LMDB would each keep an index of it, blind to the other's
     evictions and deletes. The kernel drops an flock when its holder dies, so a
     crashed store never blocks its restart.
     """
-    os.makedirs(path, exist_ok=True)
     lock_path = os.path.join(path, LOCK_FILE)
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    if read_only:
+        try:
+            fd = os.open(lock_path, os.O_RDONLY)
+        except FileNotFoundError:
+            fd = os.open(path, os.O_RDONLY)  # a directory can carry the flock as well
+    else:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -371,14 +414,24 @@ def _lock_data_dir(path: str) -> int:
             f"nvme tier: data directory {path} is in use by another kvstore (pid {holder}); "
             "stop it, or give this store its own nvme.path"
         ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    if not read_only:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
 
 
+def _errno_of(e: Exception) -> int | None:
+    """The OS error behind an LMDB failure (py-lmdb puts it in the message only)."""
+    text = str(e)
+    for code in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO):
+        if os.strerror(code) in text:
+            return code
+    return getattr(e, "errno", None)
+
+
 def _check_disk_room(path: str, map_size: int) -> None:
-    # With writemap the data file is a sparse file of map_size bytes: filling its holes on
-    # a full disk kills the process with SIGBUS, so refuse a map the disk cannot hold.
+    # Refuse at start a map the disk cannot hold; a disk that fills later makes writes
+    # fail with ENOSPC (TierFullError), never the process.
     os.makedirs(path, exist_ok=True)
     data = os.path.join(path, "data.mdb")
     allocated = os.stat(data).st_blocks * 512 if os.path.exists(data) else 0
