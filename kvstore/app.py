@@ -13,11 +13,13 @@ import sys
 import threading
 from dataclasses import dataclass
 
+from kvstore.auth import Tenants
 from kvstore.config import Config
 from kvstore.factory import build_store
 from kvstore.grpc_server import StoreServer
 from kvstore.metrics import Metrics, MetricsEndpoint
 from kvstore.service import Limits
+from kvstore.tls import server_credentials
 
 log = logging.getLogger("kvstore")
 
@@ -48,6 +50,9 @@ def start(config: Config) -> Running:
             default_lease_ttl_s=config.store.lease_ttl_s,
             max_lease_ttl_s=config.store.max_lease_ttl_s,
             shm=s.shm,
+            max_leases_per_client=s.max_leases_per_client,
+            max_streams_per_client=s.max_streams_per_client,
+            max_inflight_bytes_per_client=s.max_inflight_bytes_per_client,
         )
         server = StoreServer(
             store,
@@ -57,6 +62,10 @@ def start(config: Config) -> Running:
             workers=s.workers,
             grace_s=s.grace_s,
             metrics=metrics,
+            credentials=server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca)
+            if s.tls_cert
+            else None,
+            tenants=Tenants.load(s.tenants_file) if s.tenants_file else None,
         )
         port = server.start()
     except BaseException:

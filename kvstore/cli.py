@@ -102,8 +102,12 @@ def format_stats(resp, address: str) -> str:
 
 def _client(args):
     from kvstore.client import ClientOptions, KVStoreClient
+    from kvstore.tls import ClientAuth
 
-    return KVStoreClient(args.address, ClientOptions(timeout_s=args.timeout, retries=1))
+    auth = ClientAuth.from_env().with_files(
+        ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key, token_file=args.token_file
+    )
+    return KVStoreClient(args.address, ClientOptions(timeout_s=args.timeout, retries=1, auth=auth))
 
 
 def cmd_serve(args) -> int:
@@ -201,6 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
             help="store address host:port (default $KVSTORE_SERVER_LISTEN or %(default)s)",
         )
         p.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+        tls = p.add_argument_group(
+            "TLS and token (default from $KVSTORE_TLS_* / $KVSTORE_TOKEN_FILE)"
+        )
+        tls.add_argument("--tls-ca", default="", help="PEM of the CA that signed the server")
+        tls.add_argument("--tls-cert", default="", help="client certificate, for mutual TLS")
+        tls.add_argument("--tls-key", default="", help="client key, for mutual TLS")
+        tls.add_argument(
+            "--token-file", default="", help="file holding the bearer token (never the token)"
+        )
         p.set_defaults(fn=fn)
         return p
 

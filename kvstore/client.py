@@ -26,6 +26,7 @@ from kvstore import wire
 from kvstore.pb import SERVICE, pb
 from kvstore.shm_reader import ShmReader, ShmReadStats, copier
 from kvstore.store import LookupResult, PutResult
+from kvstore.tls import ClientAuth
 from kvstore.types import ChunkRecord, KVStoreError
 
 DEFAULT_MAX_MESSAGE = 65 << 20
@@ -51,6 +52,8 @@ class ClientOptions:
     # how long a shared-memory read may take before the store may reuse its slots;
     # None takes the server's default. A read that outlasts it is redone over TCP.
     shm_lease_ttl_s: float | None = None
+    # TLS and token; None reads KVSTORE_TLS_CA/_CERT/_KEY and KVSTORE_TOKEN(_FILE)
+    auth: ClientAuth | None = None
 
     def __post_init__(self) -> None:
         ttl = self.shm_lease_ttl_s
@@ -111,7 +114,8 @@ class KVStoreClient:
     def __init__(self, target: str, options: ClientOptions | None = None) -> None:
         self.target = target
         self.options = options or ClientOptions()
-        self._channel = grpc.insecure_channel(target, options=_channel_options(self.options))
+        auth = self.options.auth or ClientAuth.from_env()
+        self._channel = auth.channel(target, _channel_options(self.options))
         ch = self._channel
         self._lookup = ch.unary_unary(
             _method("Lookup"), pb.LookupRequest.SerializeToString, pb.LookupResponse.FromString
@@ -321,7 +325,8 @@ class AsyncKVStoreClient:
     def __init__(self, target: str, options: ClientOptions | None = None) -> None:
         self.target = target
         self.options = options or ClientOptions()
-        self._channel = grpc.aio.insecure_channel(target, options=_channel_options(self.options))
+        auth = self.options.auth or ClientAuth.from_env()
+        self._channel = auth.aio_channel(target, _channel_options(self.options))
         ch = self._channel
         self._lookup = ch.unary_unary(
             _method("Lookup"), pb.LookupRequest.SerializeToString, pb.LookupResponse.FromString

@@ -189,8 +189,30 @@ class ServerConfig(_Section):
     shm: bool = _opt(True, "offer same-host clients shared-memory handles")
     grace_s: float = _opt(10.0, "seconds in-flight calls get to finish at shutdown")
     workers: int = _opt(16, "gRPC server thread pool size")
+    tls_cert: str = _opt("", "PEM certificate for TLS on the gRPC port; empty: plaintext")
+    tls_key: str = _opt("", "PEM private key of tls_cert")
+    tls_client_ca: str = _opt("", "with TLS, require client certificates this CA signed (mTLS)")
+    tenants_file: str = _opt("", "YAML file of tenants and their tokens; empty: no auth")
+    max_leases_per_client: int = _opt(4096, "unexpired leases one client may hold")
+    max_streams_per_client: int = _opt(64, "Get/Put streams one client may have open")
+    max_inflight_bytes_per_client: int = _size(GiB, "Put bytes one client may have in flight")
 
     def _check(self) -> None:
+        self._require(
+            bool(self.tls_cert) == bool(self.tls_key), "tls_key", "must be set with tls_cert"
+        )
+        self._require(
+            not self.tls_client_ca or bool(self.tls_cert),
+            "tls_client_ca",
+            "needs TLS: set tls_cert and tls_key too",
+        )
+        for name in ("max_leases_per_client", "max_streams_per_client"):
+            self._require(getattr(self, name) > 0, name, "must be positive")
+        self._require(
+            self.max_inflight_bytes_per_client > 0,
+            "max_inflight_bytes_per_client",
+            "must be positive",
+        )
         self._require(
             _is_address(self.listen, unix=True), "listen", "must be host:port or unix:PATH"
         )

@@ -24,10 +24,11 @@ def explain(
     keys: Sequence[bytes],
     namespace: bytes | None = None,
     lease_id: int | None = None,
+    owner: bytes | None = None,
 ) -> Explanation:
     if not keys:
         return Explanation(0, "empty", "no keys given")
-    tiers, gone = store.peek(keys)
+    tiers, gone = store.peek(keys, owner)
     matched = len(tiers)
     lease_note = ""
     if lease_id and store.lease_expired(lease_id):

@@ -1,8 +1,9 @@
 """The gRPC server around a store: health, reflection, metrics, graceful shutdown.
 
-Offers ``StoreServer(store, listen, limits, ...)`` with ``start()`` (returns the
-bound port), ``stop()`` (refuse new calls, finish in-flight ones, flush and
-close the store) and ``wait()``.
+Offers ``StoreServer(store, listen, limits, ..., credentials, tenants)`` (TLS when
+``credentials`` are given; bearer tokens per tenant when ``tenants`` are) with
+``start()`` (returns the bound port), ``stop()`` (refuse new calls, finish
+in-flight ones, flush and close the store) and ``wait()``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvstore.auth import Tenants
 from kvstore.pb import SERVICE, pb
 from kvstore.service import KVStoreService, Limits, generic_handler
 from kvstore.store import TieredStore
@@ -33,11 +35,14 @@ class StoreServer:
         workers: int = 16,
         grace_s: float = 10.0,
         metrics=None,
+        credentials: grpc.ServerCredentials | None = None,
+        tenants: Tenants | None = None,
     ) -> None:
         self.store = store
         self.listen = listen
         self.grace_s = grace_s
-        self.service = KVStoreService(store, limits or Limits(), metrics)
+        self._credentials = credentials
+        self.service = KVStoreService(store, limits or Limits(), metrics, tenants)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-rpc"),
             options=[
@@ -58,7 +63,10 @@ class StoreServer:
 
     def start(self) -> int:
         try:
-            self.port = self._server.add_insecure_port(self.listen)
+            if self._credentials is not None:
+                self.port = self._server.add_secure_port(self.listen, self._credentials)
+            else:
+                self.port = self._server.add_insecure_port(self.listen)
         except RuntimeError as exc:
             raise OSError(f"cannot listen on {self.listen}: {exc}") from exc
         if not self.port and not self.listen.startswith("unix:"):

@@ -9,6 +9,7 @@ maps errors and records metrics.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import threading
@@ -19,8 +20,10 @@ from dataclasses import dataclass
 import grpc
 
 from kvstore import wire
+from kvstore.auth import Caller, Tenants, Unauthenticated, owns, shown_namespace, tag_namespace
 from kvstore.explain import explain
 from kvstore.pb import SERVICE, pb
+from kvstore.quotas import QuotaExceeded, Quotas
 from kvstore.store import ShmRef, TieredStore
 from kvstore.types import (
     ChunkRecord,
@@ -38,6 +41,7 @@ _CODES = [
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
     (NotFound, grpc.StatusCode.NOT_FOUND, "not_found"),
     (TierFullError, grpc.StatusCode.RESOURCE_EXHAUSTED, "tiers_full"),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED, "unauthenticated"),
     (KVStoreError, grpc.StatusCode.FAILED_PRECONDITION, "failed_precondition"),
 ]
 
@@ -49,6 +53,9 @@ class Limits:
     default_lease_ttl_s: float = 30.0
     max_lease_ttl_s: float = 600.0
     shm: bool = True
+    max_leases_per_client: int = 4096
+    max_streams_per_client: int = 64
+    max_inflight_bytes_per_client: int = 1 << 30
 
 
 def _status_of(exc: KVStoreError) -> tuple[grpc.StatusCode, str]:
@@ -65,10 +72,18 @@ class _Abort(Exception):
 
 
 class KVStoreService:
-    def __init__(self, store: TieredStore, limits: Limits, metrics=None) -> None:
+    def __init__(
+        self, store: TieredStore, limits: Limits, metrics=None, tenants: Tenants | None = None
+    ) -> None:
         self.store = store
         self.limits = limits
         self.metrics = metrics
+        self.tenants = tenants
+        self.quotas = Quotas(
+            limits.max_leases_per_client,
+            limits.max_streams_per_client,
+            limits.max_inflight_bytes_per_client,
+        )
         self.started = time.monotonic()
         self._draining = threading.Event()
 
@@ -112,8 +127,13 @@ class KVStoreService:
             )
         return ttl or None
 
-    def _call(self, method: str, context: grpc.ServicerContext, fn: Callable[[], object]):
-        """Run ``fn`` with draining, error mapping and metrics around it."""
+    def _caller(self, context: grpc.ServicerContext) -> Caller:
+        if self.tenants is None:
+            return Caller(client=f"peer:{_host_of(context.peer())}")
+        return self.tenants.authenticate(context.invocation_metadata())
+
+    def _call(self, method: str, context: grpc.ServicerContext, fn: Callable[[Caller], object]):
+        """Run ``fn(caller)`` with draining, authentication, error mapping and metrics."""
         t0 = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
@@ -121,7 +141,11 @@ class KVStoreService:
                 raise _Abort(
                     grpc.StatusCode.UNAVAILABLE, "server is shutting down", "shutting_down"
                 )
-            return fn()
+            return fn(self._caller(context))
+        except QuotaExceeded as exc:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            self._reject(exc.reason)
+            context.abort(code, str(exc))
         except _Abort as exc:
             code = exc.code
             self._reject(exc.reason)
@@ -154,8 +178,13 @@ class KVStoreService:
     # ---- RPCs ------------------------------------------------------------------------
 
     def Lookup(self, request, context):
-        def run():
-            res = self.store.lookup(self._keys(request.keys), self._ttl(request.lease_ttl_s))
+        def run(caller: Caller):
+            ttl = self._ttl(request.lease_ttl_s)
+            if ttl:
+                self.quotas.check_leases(caller.client)
+            res = self.store.lookup(self._keys(request.keys), ttl, owner=caller.tag)
+            if res.lease_id:
+                self.quotas.lease_taken(caller.client, res.lease_id, ttl)
             return pb.LookupResponse(
                 matched=res.matched, tiers=res.tiers, lease_id=res.lease_id or 0
             )
@@ -165,12 +194,18 @@ class KVStoreService:
     def Get(self, request, context) -> Iterator[bytes]:
         # A generator cannot abort after it started streaming, so validate, and read or
         # lease the chunks, first.
-        def run():
+        def run(caller: Caller):
             keys = self._keys(request.keys)
-            # a lease as long as the call may last keeps the slots read below from reuse
-            ttl = min(self.limits.max_lease_ttl_s, context.time_remaining() + 1.0)
-            lease_id, payloads = self.store.get_shm(keys, ttl, views=True)
-            return self._encode(keys, payloads, lease_id)
+            stream = self.quotas.stream(caller.client)
+            stream.__enter__()
+            try:
+                # a lease as long as the call may last keeps the slots read below from reuse
+                ttl = min(self.limits.max_lease_ttl_s, context.time_remaining() + 1.0)
+                lease_id, payloads = self.store.get_shm(keys, ttl, views=True, owner=caller.tag)
+            except BaseException:
+                stream.__exit__(None, None, None)
+                raise
+            return self._encode(keys, payloads, lease_id, stream)
 
         for message in self._call("Get", context, run):
             self._wire("out", len(message))
@@ -179,16 +214,23 @@ class KVStoreService:
     def GetShm(self, request, context):
         """All handles in one message: a streamed message each costs more than its copy."""
 
-        def run():
+        def run(caller: Caller):
             if not self.limits.shm:
                 raise _Abort(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     "this server does not offer shared memory (server.shm=false); use Get",
                     "shm_disabled",
                 )
+            if not _is_local(context.peer()):
+                raise _Abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "shared memory is only for clients on the store's own host; use Get",
+                    "shm_not_local",
+                )
             keys = self._keys(request.keys)
             ttl = self._ttl(request.lease_ttl_s) or self.limits.default_lease_ttl_s
-            lease_id, refs = self.store.get_shm(keys, ttl)
+            self.quotas.check_leases(caller.client)
+            lease_id, refs = self.store.get_shm(keys, ttl, owner=caller.tag)
             handles = []
             for ref in refs:
                 if not isinstance(ref, ShmRef):
@@ -201,11 +243,15 @@ class KVStoreService:
                 with contextlib.suppress(NotFound):  # it may have lapsed while bytes were read
                     self.store.release(lease_id)
                 lease_id = None
+            if lease_id is not None:
+                self.quotas.lease_taken(caller.client, lease_id, ttl)
             return pb.ShmBatch(matched=len(refs), lease_id=lease_id or 0, handles=handles)
 
         return self._call("GetShm", context, run)
 
-    def _encode(self, keys: list[bytes], payloads: list, lease_id: int | None) -> Iterator[bytes]:
+    def _encode(
+        self, keys: list[bytes], payloads: list, lease_id: int | None, stream
+    ) -> Iterator[bytes]:
         """Chunk messages made one at a time, each with one copy out of its DRAM slot.
 
         Copying every payload up front (under the store's lock) held the whole answer in
@@ -216,12 +262,17 @@ class KVStoreService:
             for key, payload in zip(keys, payloads):
                 yield wire.encode_chunk(key, payload)
         finally:
+            stream.__exit__(None, None, None)
             if lease_id is not None:
                 with contextlib.suppress(NotFound):  # expired: the call outlived its deadline
                     self.store.release(lease_id)
 
     def Put(self, request_iterator, context):
-        def run():
+        def run(caller: Caller):
+            with self.quotas.stream(caller.client):
+                return put(caller)
+
+        def put(caller: Caller):
             stored = dups = 0
             rejected = []
             for records in request_iterator:
@@ -231,8 +282,11 @@ class KVStoreService:
                         f"malformed PutRequest: {records.error}",
                         "invalid_argument",
                     )
-                self._wire("in", sum(memoryview(r.payload).nbytes for r in records))
-                result = self.store.put(self._check_put(records))
+                nbytes = sum(memoryview(r.payload).nbytes for r in records)
+                self._wire("in", nbytes)
+                records = self._check_put(records, caller)
+                with self.quotas.inflight(caller.client, nbytes):
+                    result = self.store.put(records, owner=caller.tag)
                 stored += result.stored
                 dups += result.duplicates
                 rejected += result.rejected
@@ -246,7 +300,7 @@ class KVStoreService:
 
         return self._call("Put", context, run)
 
-    def _check_put(self, records: list[ChunkRecord]) -> list[ChunkRecord]:
+    def _check_put(self, records: list[ChunkRecord], caller: Caller) -> list[ChunkRecord]:
         self._keys([r.key for r in records])
         for r in records:
             size = memoryview(r.payload).nbytes
@@ -270,17 +324,23 @@ class KVStoreService:
                     f"digest (got {len(r.ns)} bytes)",
                     "invalid_argument",
                 )
-        return records
+        if caller.tag is None:
+            return records
+        return [
+            r if r.parent is not None else dataclasses.replace(r, ns=tag_namespace(caller, r.ns))
+            for r in records
+        ]
 
     def Release(self, request, context):
-        def run():
+        def run(caller: Caller):
             self.store.release(request.lease_id)
+            self.quotas.lease_ended(caller.client, request.lease_id)
             return pb.ReleaseResponse()
 
         return self._call("Release", context, run)
 
     def Delete(self, request, context):
-        def run():
+        def run(caller: Caller):
             keys = self._keys(request.keys)
             if not keys and not request.namespace:
                 raise _Abort(
@@ -288,18 +348,21 @@ class KVStoreService:
                     "name keys or a namespace to delete",
                     "invalid_argument",
                 )
-            removed = self.store.delete(keys) if keys else 0
+            removed = self.store.delete(keys, owner=caller.tag) if keys else 0
             if request.namespace:
-                removed += self.store.delete_namespace(bytes(request.namespace))
+                ns = tag_namespace(caller, bytes(request.namespace))
+                removed += self.store.delete_namespace(ns)
             return pb.DeleteResponse(removed=removed)
 
         return self._call("Delete", context, run)
 
     def Stats(self, request, context):
-        def run():
+        def run(caller: Caller):
             s = self.store.stats()
             from kvstore import __version__
 
+            if caller.tag is not None and not caller.admin:
+                return self._tenant_stats(caller, s, __version__)
             return pb.StatsResponse(
                 tiers=[pb.TierStats(**_slots(t)) for t in s.tiers],
                 chunks=s.chunks,
@@ -319,13 +382,30 @@ class KVStoreService:
 
         return self._call("Stats", context, run)
 
+    def _tenant_stats(self, caller: Caller, s, version: str) -> pb.StatsResponse:
+        """A tenant sees its own namespaces and chunk count; the rest is not its business."""
+        mine = {
+            shown_namespace(caller, ns): n
+            for ns, n in s.namespaces.items()
+            if owns(caller, bytes.fromhex(ns))
+        }
+        return pb.StatsResponse(
+            chunks=sum(mine.values()),
+            namespaces=mine,
+            write_policy=s.write_policy,
+            version=version,
+            uptime_s=time.monotonic() - self.started,
+        )
+
     def Explain(self, request, context):
-        def run():
+        def run(caller: Caller):
+            ns = bytes(request.namespace)
             e = explain(
                 self.store,
                 self._keys(request.keys),
-                bytes(request.namespace) or None,
+                tag_namespace(caller, ns) if len(ns) == 32 else ns or None,
                 request.lease_id or None,
+                owner=caller.tag,
             )
             return pb.ExplainResponse(
                 matched=e.matched,
@@ -337,6 +417,18 @@ class KVStoreService:
             )
 
         return self._call("Explain", context, run)
+
+
+def _host_of(peer: str) -> str:
+    """``ipv4:127.0.0.1:5555`` -> ``127.0.0.1``; ``unix:...`` stays whole."""
+    if peer.startswith(("ipv4:", "ipv6:")):
+        return peer.split(":", 1)[1].rsplit(":", 1)[0]
+    return peer
+
+
+def _is_local(peer: str) -> bool:
+    host = _host_of(peer)
+    return peer.startswith("unix:") or host.startswith("127.") or host in ("[::1]", "::1")
 
 
 def _slots(obj) -> dict:
@@ -403,7 +495,7 @@ def _checked(service: KVStoreService, fn):
 
     def handler(request, context):
         if isinstance(request, _Malformed):
-            return service._call(method, context, lambda: _refuse(request))
+            return service._call(method, context, lambda caller: _refuse(request))
         return fn(request, context)
 
     return handler

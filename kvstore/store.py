@@ -71,6 +71,13 @@ class PutResult:
     rejected: list[tuple[ChunkKey, str]]
 
 
+def _owned(nodes: list[Node], owner: bytes | None) -> list[Node]:
+    """``nodes`` (a matched chain) if ``owner`` may see them: a chain has one namespace."""
+    if owner is None or not nodes or nodes[0].ns[: len(owner)] == owner:
+        return nodes
+    return []
+
+
 def _check_keys(keys: Sequence[ChunkKey]) -> None:
     # The common case (all bytes, all 16 long) costs a quarter of check_key per key,
     # which matters on 512-key lookups; check_key then names the first bad key.
@@ -142,7 +149,7 @@ class TieredStore:
 
     # ---- writes --------------------------------------------------------------------
 
-    def put(self, records: Sequence[ChunkRecord]) -> PutResult:
+    def put(self, records: Sequence[ChunkRecord], owner: bytes | None = None) -> PutResult:
         """Store a batch of chunks, parents before children.
 
         Per-chunk problems (a parent that is not stored, a bad payload, no room
@@ -169,9 +176,13 @@ class TieredStore:
                     if err is None and rec.parent is not None and rec.parent in rejected_keys:
                         err = ("parent_rejected", "parent was rejected")
                     parent = self.index.get(rec.parent) if err is None and rec.parent else None
+                    if parent is not None and not _owned([parent], owner):
+                        parent = None  # another tenant's chunk: as good as absent
                     if err is None and rec.parent is not None and parent is None:
                         err = ("parent_not_stored", "parent is not stored")
                     node = self.index.get(rec.key) if err is None else None
+                    if node is not None and not _owned([node], owner):
+                        err, node = ("key_conflict", "the key is stored in another namespace"), None
                     if node is not None:
                         self.index.touch([node])
                 if err is not None:
@@ -273,12 +284,21 @@ class TieredStore:
 
     # ---- reads ---------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[ChunkKey], lease_ttl_s: float | None = None) -> LookupResult:
-        """Longest stored prefix of ``keys``; with a ttl, a lease keeps it from eviction."""
+    def lookup(
+        self,
+        keys: Sequence[ChunkKey],
+        lease_ttl_s: float | None = None,
+        owner: bytes | None = None,
+    ) -> LookupResult:
+        """Longest stored prefix of ``keys``; with a ttl, a lease keeps it from eviction.
+
+        With ``owner`` (a tenant's namespace tag, here and below), chains in other
+        tenants' namespaces read as misses.
+        """
         _check_keys(keys)
         with self._lock:
             self._expire()
-            nodes = self.index.match(keys)
+            nodes = _owned(self.index.match(keys), owner)
             self.index.touch(nodes)
             names = [self.tiers[self.index.top_tier(n)].name for n in nodes]
             lease_id = self.index.lease(nodes, lease_ttl_s) if lease_ttl_s and nodes else None
@@ -287,7 +307,7 @@ class TieredStore:
             self._stats.lookup_hit_keys += len(nodes)
         return LookupResult(len(nodes), names, lease_id)
 
-    def get(self, keys: Sequence[ChunkKey]) -> list[bytes | bytearray]:
+    def get(self, keys: Sequence[ChunkKey], owner: bytes | None = None) -> list[bytes | bytearray]:
         """Payloads of the longest stored prefix of ``keys``, in order.
 
         The chunks are pinned under the index lock and copied outside it (the
@@ -298,7 +318,7 @@ class TieredStore:
         """
         _check_keys(keys)
         with self._lock:
-            nodes = self.index.match(keys)
+            nodes = _owned(self.index.match(keys), owner)
             self.index.touch(nodes)
             where = [self.index.top_tier(n) for n in nodes]
             for node in nodes:
@@ -350,7 +370,12 @@ class TieredStore:
         return result
 
     def get_shm(
-        self, keys: Sequence[ChunkKey], lease_ttl_s: float, *, views: bool = False
+        self,
+        keys: Sequence[ChunkKey],
+        lease_ttl_s: float,
+        *,
+        views: bool = False,
+        owner: bytes | None = None,
     ) -> tuple[int | None, list[ShmRef | memoryview | bytes | bytearray]]:
         """For same-host readers: the longest stored prefix under a new lease.
 
@@ -365,7 +390,7 @@ class TieredStore:
             (t for t, tier in enumerate(self.tiers) if hasattr(tier, "region_name")), None
         )
         with self._lock:
-            nodes = self.index.match(keys)
+            nodes = _owned(self.index.match(keys), owner)
             self.index.touch(nodes)
             if len(nodes) < len(keys):
                 self._stats.misses += 1
@@ -388,7 +413,7 @@ class TieredStore:
                 self._count_hit(shm_tier, handle[1])
         missing = [i for i, ref in enumerate(refs) if ref is None]
         if missing:
-            payloads = self.get([n.key for n in nodes[: missing[-1] + 1]])
+            payloads = self.get([n.key for n in nodes[: missing[-1] + 1]], owner)
             for i in missing:
                 if i >= len(payloads):
                     refs = refs[:i]
@@ -425,13 +450,17 @@ class TieredStore:
             ts.hits += 1
             ts.bytes_out += payload if isinstance(payload, int) else len(payload)
 
-    def peek(self, keys: Sequence[ChunkKey]) -> tuple[list[str], tuple[str, float, str] | None]:
+    def peek(
+        self, keys: Sequence[ChunkKey], owner: bytes | None = None
+    ) -> tuple[list[str], tuple[str, float, str] | None]:
         """Tiers of the stored prefix and the removal record of the first missing key.
 
         Read-only: no recency update, no counters (for ``explain``).
         """
         with self._lock:
-            nodes = self.index.match(keys)
+            nodes = _owned(self.index.match(keys), owner)
+            if owner is not None and not nodes:
+                return [], None  # another tenant's removals are not this caller's business
             tiers = [self.tiers[self.index.top_tier(n)].name for n in nodes]
             gone = self.index.why_missing(keys[len(nodes)]) if len(nodes) < len(keys) else None
             return tiers, gone
@@ -448,11 +477,13 @@ class TieredStore:
 
     # ---- deletion, stats, lifecycle -----------------------------------------------
 
-    def delete(self, keys: Sequence[ChunkKey]) -> int:
+    def delete(self, keys: Sequence[ChunkKey], owner: bytes | None = None) -> int:
         """Delete chunks and everything stored after them; returns chunks removed."""
         _check_keys(keys)
         with self._wlock:
             with self._lock:
+                if owner is not None:
+                    keys = [k for k in keys if (n := self.index.get(k)) and _owned([n], owner)]
                 removed = self.index.delete(keys)
             self._mover.free(removed)
         return len(removed)
