@@ -25,9 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstore import wire
 from kvstore.pb import SERVICE, pb
 from kvstore.shm_reader import ShmReader, ShmReadStats, copier
-from kvstore.store import LookupResult, PutResult
 from kvstore.tls import ClientAuth
-from kvstore.types import ChunkRecord, KVStoreError
+from kvstore.types import ChunkRecord, KVStoreError, LookupResult, PutResult
 
 DEFAULT_MAX_MESSAGE = 65 << 20
 PUT_BATCH_BYTES = 4 << 20

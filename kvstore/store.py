@@ -38,7 +38,9 @@ from kvstore.types import (
     ChunkRecord,
     InvalidArgument,
     KVStoreError,
+    LookupResult,
     NotFound,
+    PutResult,
     TierFullError,
     check_key,
     check_ns,
@@ -49,26 +51,12 @@ WRITE_POLICIES = ("write_through", "write_back", "none")
 
 
 @dataclass(frozen=True, slots=True)
-class LookupResult:
-    matched: int
-    tiers: list[str]
-    lease_id: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class ShmRef:
     """Where a same-host reader finds a chunk: a shared-memory region and a slot in it."""
 
     region: str
     offset: int
     length: int
-
-
-@dataclass(frozen=True, slots=True)
-class PutResult:
-    stored: int
-    duplicates: int
-    rejected: list[tuple[ChunkKey, str]]
 
 
 def _owned(nodes: list[Node], owner: bytes | None) -> list[Node]:

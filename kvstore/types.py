@@ -1,6 +1,7 @@
 """Plain records shared by every layer. No I/O, no third-party imports.
 
 Offers: ``ChunkKey`` (16 raw bytes), ``ChunkRecord`` (what a tier stores),
+``LookupResult`` and ``PutResult`` (what the store and the client both answer),
 ``KVStoreError`` and its subclasses, the error types every layer raises.
 """
 
@@ -67,3 +68,21 @@ class ChunkRecord:
     parent: ChunkKey | None
     ns: bytes
     payload: bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """The stored prefix of a key chain: its length, the tier of each chunk, a lease."""
+
+    matched: int
+    tiers: list[str]
+    lease_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    """Chunks stored, already stored, and refused (key and a reason a person can read)."""
+
+    stored: int
+    duplicates: int
+    rejected: list[tuple[ChunkKey, str]]
