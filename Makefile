@@ -66,6 +66,7 @@ proto: $(CORE)
 lint: $(CORE)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache --no-logo
 
 clean:
 	rm -rf $(VENV) data benchmarks/results .pytest_cache .hypothesis
