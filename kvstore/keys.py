@@ -1,12 +1,17 @@
 """The versioned, engine-neutral chunk key spec (v1).
 
 Offers ``Namespace`` (what makes two caches compatible) with ``canonical_json``
-and ``digest``, ``chunk_keys`` (chained 128-bit keys of the full chunks of a
+and ``digest``, ``request_root`` (where the chain of a request with its own cache
+identity starts), ``chunk_keys`` (chained 128-bit keys of the full chunks of a
 token sequence) and ``part_key`` (the key of one tensor-parallel rank's part).
 
     ns      = sha256(canonical JSON of the namespace)
-    key_0   = xxh3_128(b"kvstore/v1" || ns || tokens_0)
-    key_i   = xxh3_128(key_{i-1} || tokens_i)
+    root    = ns, or sha256(b"kvstore/v1/request" || ns || canonical JSON of the
+              request's identity) when it has one (LoRA adapter, cache salt)
+    key_0   = xxh3_128(b"kvstore/v1" || root || tokens_0 [|| extra_0])
+    key_i   = xxh3_128(key_{i-1} || tokens_i [|| extra_i])
+    extra_i = b"extra" || u32 LE length || bytes (what else feeds chunk i, such as
+              the multimodal inputs behind its placeholder tokens), when present
 
 Tokens are little-endian uint32; digests are big-endian (``xxh3_128().digest()``).
 Nothing here depends on Python's ``hash``, ``PYTHONHASHSEED`` or engine internals,
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -26,6 +31,8 @@ import xxhash
 from kvstore.types import KEY_BYTES, InvalidArgument, check_key
 
 KEY_DOMAIN = b"kvstore/v1"
+REQUEST_DOMAIN = b"kvstore/v1/request"
+EXTRA_TAG = b"extra"
 CODECS = ("raw", "fp8")
 
 
@@ -63,6 +70,25 @@ class Namespace:
         return hashlib.sha256(self.canonical_json()).digest()
 
 
+def request_root(ns_digest: bytes, identity: Mapping[str, str] | None) -> bytes:
+    """The digest a request's chain starts from: ``ns_digest`` itself without identity.
+
+    ``identity`` holds what makes a request's KV its own although its tokens
+    match another's (``{"lora": name, "cache_salt": salt}``); two requests share
+    chunks exactly when their identities are equal. Empty values are dropped.
+    """
+    if len(ns_digest) != 32:
+        raise InvalidArgument(f"namespace digest must be 32 bytes, got {len(ns_digest)}")
+    fields = {k: v for k, v in (identity or {}).items() if v}
+    if not fields:
+        return ns_digest
+    for k, v in fields.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise InvalidArgument(f"request identity must map str to str, got {k!r}: {v!r}")
+    body = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(REQUEST_DOMAIN + ns_digest + body.encode("ascii")).digest()
+
+
 def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     arr = np.asarray(token_ids)
     if arr.ndim != 1:
@@ -77,11 +103,14 @@ def chunk_keys(
     token_ids: Sequence[int] | np.ndarray,
     chunk_tokens: int,
     parent: bytes | None = None,
+    extras: Sequence[bytes | None] | None = None,
 ) -> list[bytes]:
     """Keys of every full chunk of ``token_ids``; a trailing partial chunk has none.
 
     ``parent`` continues a chain: pass the key of the chunk just before
-    ``token_ids[0]`` (then ``ns_digest`` is not used).
+    ``token_ids[0]`` (then ``ns_digest`` is not used). ``extras[i]``, when given
+    and not empty, is hashed after the tokens of chunk ``i`` (counted from
+    ``token_ids[0]``); a chunk past the end of ``extras`` has none.
     """
     if chunk_tokens <= 0:
         raise InvalidArgument(f"chunk_tokens must be positive, got {chunk_tokens}")
@@ -101,6 +130,11 @@ def chunk_keys(
         else:
             h.update(prev)
         h.update(buf[i * step : (i + 1) * step])
+        extra = extras[i] if extras is not None and i < len(extras) else None
+        if extra:
+            h.update(EXTRA_TAG)
+            h.update(len(extra).to_bytes(4, "little"))
+            h.update(extra)
         prev = h.digest()
         keys.append(prev)
     return keys

@@ -6,7 +6,7 @@ import struct
 import pytest
 import xxhash
 
-from kvstore.keys import Namespace, chunk_keys, part_key
+from kvstore.keys import Namespace, chunk_keys, part_key, request_root
 from kvstore.types import InvalidArgument
 
 LLAMA = Namespace(
@@ -54,6 +54,74 @@ VECTORS = [
 def test_published_vectors(ns, tokens, digest, keys):
     assert ns.digest().hex() == digest
     assert [k.hex() for k in chunk_keys(ns.digest(), tokens, ns.chunk_tokens)] == keys
+
+
+# Requests with their own identity (LoRA adapter, cache salt) and chunks with extras
+# (multimodal inputs): (namespace, identity, tokens, extras) -> root, keys.
+REQUEST_VECTORS = [
+    (
+        LLAMA,
+        {"lora": "sql-adapter", "cache_salt": "tenant-x"},
+        list(range(40)),
+        None,
+        "96f61c1dab985aa2825acd022e34be3facedb2209920df57f2c4197400111335",
+        ["5e061b125b317c852174fea510d41855", "b02d417aeaf1c38cf6cd22603df177e9"],
+    ),
+    (
+        TINY,
+        {"cache_salt": "tenant-x"},
+        [7] * 64 + [4294967295] * 32,
+        [None, b'[["img-0",5]]'],
+        "1cdabc525bd0a840aa612f9290fe8b6fc68e8edc7f748835839bbd8c7ce625fc",
+        [
+            "3a2a7816bad54c681f420e770c57e8f3",
+            "491106964c637965a110f84be42b1766",
+            "fe0b1d3d58376f396a3fbefb679898da",
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize(("ns", "identity", "tokens", "extras", "root", "keys"), REQUEST_VECTORS)
+def test_published_request_vectors(ns, identity, tokens, extras, root, keys):
+    got_root = request_root(ns.digest(), identity)
+    assert got_root.hex() == root
+    got = chunk_keys(got_root, tokens, ns.chunk_tokens, extras=extras)
+    assert [k.hex() for k in got] == keys
+
+
+def test_request_roots_and_extras_match_an_independent_derivation():
+    ns = TINY.digest()
+    identity = b'{"cache_salt":"s","lora":"a"}'
+    root = hashlib.sha256(b"kvstore/v1/request" + ns + identity).digest()
+    assert request_root(ns, {"lora": "a", "cache_salt": "s"}) == root
+    tokens = list(range(64))
+    extra = b"image"
+    k0 = xxhash.xxh3_128(b"kvstore/v1" + root + struct.pack("<32I", *tokens[:32])).digest()
+    body = struct.pack("<32I", *tokens[32:]) + b"extra" + struct.pack("<I", 5) + extra
+    k1 = xxhash.xxh3_128(k0 + body).digest()
+    assert chunk_keys(root, tokens, 32, extras=[None, extra]) == [k0, k1]
+
+
+def test_no_identity_keeps_the_namespace_chain_and_any_identity_leaves_it():
+    ns = TINY.digest()
+    assert request_root(ns, None) == ns
+    assert request_root(ns, {"lora": "", "cache_salt": ""}) == ns
+    roots = {
+        request_root(ns, ident)
+        for ident in (
+            {"lora": "a"},
+            {"lora": "b"},
+            {"cache_salt": "a"},
+            {"lora": "a", "cache_salt": "a"},
+        )
+    }
+    assert len(roots) == 4 and ns not in roots
+    tokens = list(range(64))
+    plain = chunk_keys(ns, tokens, 32)
+    assert chunk_keys(ns, tokens, 32, extras=[None, None]) == plain
+    with_image = chunk_keys(ns, tokens, 32, extras=[None, b"x"])
+    assert with_image[0] == plain[0] and with_image[1] != plain[1]
 
 
 def test_canonical_json_is_sorted_and_compact():
