@@ -1,0 +1,169 @@
+"""The cross-node e2e scenario of ``test_vllm_e2e.py`` with Llama-3-8B's KV geometry.
+
+A random-weight Llama with 32 layers x 8 KV heads x head_dim 128 on a thin body
+(hidden 256) runs in bf16 with ``chunk_tokens: 256`` and ``raw``: every chunk is
+32 MiB, the size a real model's chunks have, where the tiny model's are a few KiB.
+Node A prefills a two-chunk prefix into a real ``kvstore serve``; fresh node B
+loads it and must answer token for token as a reference engine without connector,
+then reuse one of those chunks for a shorter shared prefix in other block ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvstore.client import ClientOptions, KVStoreClient
+from kvstore.keys import Namespace, chunk_keys
+from kvstore.payload import HEADER_BYTES, parse_header
+from tests.procs import KVSTORE, ROOT, Served, store_config, wait_for_chunks
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+from tests.connector.test_vllm_e2e import DRIVER, Engine, connector, tokens  # noqa: E402
+
+LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
+CHUNK = 256
+PREFIX = 2 * CHUNK
+CHUNK_BYTES = 2 * LAYERS * KV_HEADS * CHUNK * HEAD_DIM * 2  # K and V, bf16: 32 MiB
+
+# engine_driver.py runs float32 engines, whose raw 256-token chunks here would be
+# 64 MiB + header, over the store's 64 MiB limit. This runs the same driver with
+# vLLM's LLM forced to bf16, the dtype real deployments serve Llama-3-8B in.
+BF16_DRIVER = """
+import runpy, sys
+import vllm
+_LLM = vllm.LLM
+def LLM(*args, **kwargs):
+    kwargs["dtype"] = "bfloat16"
+    return _LLM(*args, **kwargs)
+vllm.LLM = LLM
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+ENGINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    # 1 GiB of KV is 8192 bf16 tokens of this geometry: room for max_model_len 2048
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    # equal torch thread counts with and without a connector, so outputs compare exactly
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+}
+
+
+class Bf16Engine(Engine):
+    """``Engine`` over ``engine_driver.py`` with the model served in bf16."""
+
+    def __init__(self, model: Path, connector: dict | None) -> None:
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                BF16_DRIVER,
+                DRIVER,
+                str(model),
+                json.dumps(connector) if connector else "none",
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, **ENGINE_ENV},
+        )
+        self.log: list[str] = []
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    from tests.connector.tiny_llama import build_tiny_llama
+
+    return build_tiny_llama(
+        tmp_path_factory.mktemp("llama3-8b-geometry"),
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=KV_HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        dtype="bfloat16",
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(model, tmp_path_factory):
+    """One store and three engines started at once: ref (no connector), A and B (raw)."""
+    work = tmp_path_factory.mktemp("cluster")
+    store = Served(
+        [KVSTORE, "serve", "--config", str(store_config(work / "kv.yaml", work / "lmdb"))]
+    )
+    conn = connector(store.address, "raw", CHUNK)
+    engines = [Bf16Engine(model, c) for c in (None, conn, conn)]
+    try:
+        for e in engines:
+            info = e.ready()
+            assert "ready" in info, info
+        yield {"store": store, "ref": engines[0], "a": engines[1], "b": engines[2]}
+    finally:
+        for e in engines:  # all shut down at once, then each is waited for
+            e.proc.stdin.close()
+        for e in engines:
+            e.close()
+        store.stop()
+
+
+def stored_chunk_sizes(address: str, model: Path, prefix: list[int]) -> list[tuple]:
+    """(codec, dtype, shape, bytes) of the chunks stored for ``prefix``, under the
+    namespace the connector derives for this engine (``connector/namespace.py``)."""
+    ns = Namespace(
+        str(model), "main", LAYERS, KV_HEADS, HEAD_DIM, CHUNK, "raw", salt="kv_dtype=bfloat16"
+    )
+    keys = chunk_keys(ns.digest(), prefix, CHUNK)
+    with KVStoreClient(address, ClientOptions(timeout_s=60.0)) as client:
+        out = []
+        for p in client.get(keys):
+            h = parse_header(p)
+            out.append((h.codec, h.src_dtype, h.shape, len(p)))
+        return out
+
+
+def test_b_loads_32_mib_chunks_that_a_prefilled_and_matches_recompute_exactly(model, cluster):
+    store, ref, a, b = cluster["store"], cluster["ref"], cluster["a"], cluster["b"]
+    prefix = tokens(1, PREFIX)
+    first = a.generate(prefix + tokens(2, 20))
+    assert first["num_cached_tokens"] == 0  # nothing stored yet: A computed everything
+    assert wait_for_chunks(store.address, 2) == 2
+
+    prompt = prefix + tokens(3, 20)
+    with KVStoreClient(store.address) as client:
+        hits_before = sum(t.hits for t in client.stats().tiers)
+        got = b.generate(prompt)
+        hits_after = sum(t.hits for t in client.stats().tiers)
+    want = ref.generate(prompt)
+    log = "".join(line for line in b.log if "kvstore" in line or "ERROR" in line)
+    assert got["num_cached_tokens"] == PREFIX, log  # both chunks came from the store
+    # a chunk outside shared memory can count twice: GetShm reads it, the client's Get again
+    assert hits_after - hits_before >= 2
+    assert got["tokens"] == want["tokens"]
+    deltas = [abs(x - y) for x, y in zip(got["logprobs"], want["logprobs"])]
+    print(f"\nlogprob delta max {max(deltas)}; B's tokens {got['tokens']}")
+    assert max(deltas) < 1e-4
+
+    # what B loaded: two chunks of a real model's size
+    assert (
+        stored_chunk_sizes(store.address, model, prefix)
+        == [("raw", "bfloat16", (LAYERS, KV_HEADS, CHUNK, HEAD_DIM), HEADER_BYTES + CHUNK_BYTES)]
+        * 2
+    )
+
+    # a shorter shared prefix reuses only its first chunk, in other block ids
+    shorter = prefix[:CHUNK] + tokens(4, 30)
+    got = b.generate(shorter)
+    assert got["num_cached_tokens"] == CHUNK
+    assert got["tokens"] == ref.generate(shorter)["tokens"]
