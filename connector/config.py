@@ -18,7 +18,10 @@ class ConnectorConfigError(ValueError):
 
 
 def _coerce(key: str, value: object, want: type) -> object:
-    if isinstance(value, bool):
+    if want is bool:
+        if isinstance(value, bool):
+            return value
+    elif isinstance(value, bool):
         pass
     elif want is float and isinstance(value, (int, float)):
         return float(value)
@@ -38,7 +41,9 @@ class ConnectorConfig:
     lookup_timeout_s: float = 0.5
     load_timeout_s: float = 5.0
     save_timeout_s: float = 10.0
-    save_queue_depth: int = 8
+    save_queue_depth: int = 8  # steps whose chunks wait to be sent
+    save_queue_bytes: int = 1 << 30  # KV copied out of the engine and not yet sent
+    save_generated: bool = True  # full chunks of generated tokens too (multi-turn reuse)
     lease_ttl_s: float = 30.0
 
     @classmethod
@@ -77,6 +82,8 @@ class ConnectorConfig:
                 raise bad(key, f"must be positive, got {getattr(self, key)}")
         if self.save_queue_depth < 1:
             raise bad("save_queue_depth", f"must be at least 1, got {self.save_queue_depth}")
+        if self.save_queue_bytes < 1:
+            raise bad("save_queue_bytes", f"must be at least 1, got {self.save_queue_bytes}")
 
 
 _TYPES = {
@@ -88,5 +95,7 @@ _TYPES = {
     "load_timeout_s": float,
     "save_timeout_s": float,
     "save_queue_depth": int,
+    "save_queue_bytes": int,
+    "save_generated": bool,
     "lease_ttl_s": float,
 }

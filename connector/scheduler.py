@@ -2,10 +2,17 @@
 
 Offers ``SchedulerHalf`` with ``matched_tokens(request, num_computed_tokens)``,
 ``after_alloc(request, num_external_tokens)``, ``build_meta(scheduler_output)``
-and ``finished(request)``. It computes chunk keys from token ids with kvstore's
-own key spec, asks the store with one ``Lookup`` per tensor-parallel rank
-(bounded by ``lookup_timeout_s``), and never reports the whole prompt: at least
-one token is always left to compute. Any store failure means "0 tokens".
+and ``finished(request)``. It keys a request's chunks with kvstore's own key
+spec (its LoRA adapter, cache salt and multimodal inputs included, see
+``connector.identity``), asks the store with one ``Lookup`` per tensor-parallel
+rank (bounded by ``lookup_timeout_s``), and never reports the whole sequence: at
+least one token is always left to compute. Any store failure means "0 tokens".
+
+Every request that vLLM counts external tokens for gets a load in the step it
+is scheduled, whether it is new or resumed after a preemption (vLLM resets a
+preempted request and asks again; its blocks are new). Saves cover the full
+chunks of the prompt and, with ``save_generated``, of the generated tokens,
+each chunk once: not those the lookup found stored, not those planned before.
 """
 
 from __future__ import annotations
@@ -15,20 +22,33 @@ import logging
 from dataclasses import dataclass, field
 
 from connector.config import ConnectorConfig
+from connector.identity import RequestChain, unkeyable
 from connector.plan import KVStoreMetadata, LoadSpec, SaveSpec
-from kvstore.keys import Namespace, chunk_keys, part_key
+from kvstore.keys import Namespace, part_key
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class _Request:
-    keys: list[bytes]  # every full chunk of the prompt
-    stored: int = 0  # leading chunks the store holds (for every rank)
-    load_tokens: tuple[int, int] | None = None  # [local computed, store hit) to load
+    chain: RequestChain
+    stored: int = 0  # leading chunks the store held (for every rank) at the last lookup
+    load_tokens: tuple[int, int] | None = None  # [local computed, external end) to load
+    allocated: bool = False  # vLLM allocated blocks for load_tokens: load this step
     lease_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0  # leading chunks stored or planned for saving
+
+
+@dataclass
+class SchedulerCounters:
+    lookups: int = 0
+    lookup_failures: int = 0
+    hit_tokens: int = 0
+    loads_planned: int = 0
+    resumed_loads: int = 0
+    chunks_planned: int = 0
+    unkeyable: int = 0
 
 
 class SchedulerHalf:
@@ -50,7 +70,12 @@ class SchedulerHalf:
         self.load, self.save = load, save
         self._client = client
         self._reqs: dict[str, _Request] = {}
-        self.lookup_failures = 0
+        self._pending: set[str] = set()  # requests with an allocated load not yet planned
+        self.counters = SchedulerCounters()
+
+    @property
+    def lookup_failures(self) -> int:
+        return self.counters.lookup_failures
 
     @property
     def client(self):
@@ -62,104 +87,169 @@ class SchedulerHalf:
         return self._client
 
     def matched_tokens(self, request, num_computed_tokens: int) -> int:
-        """Tokens beyond ``num_computed_tokens`` that the store can supply (whole chunks)."""
-        old = self._reqs.pop(request.request_id, None)
-        if old is not None:
-            self._release(old)
-        tokens = list(request.prompt_token_ids or [])
-        state = _Request(chunk_keys(self.ns, tokens, self.config.chunk_tokens))
-        self._reqs[request.request_id] = state
-        usable = (len(tokens) - 1) // self.config.chunk_tokens  # leave one token to compute
-        if not self.load or usable == 0:
+        """Tokens beyond ``num_computed_tokens`` that the store can supply (whole chunks).
+
+        Called for new requests and again for each resumption after a preemption;
+        a resumed request keeps its keys and what it already saved.
+        """
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            why = unkeyable(request)
+            if why is not None:
+                self.counters.unkeyable += 1
+                log.debug("kvstore: request %s not keyed: %s", request.request_id, why)
+                return 0
+            state = _Request(RequestChain(self.ns, request, self.config.chunk_tokens))
+            self._reqs[request.request_id] = state
+        else:
+            self._release(state)
+        state.load_tokens, state.allocated = None, False
+        state.block_ids = []
+        num_tokens = state.chain.num_tokens
+        keys = state.chain.extend(num_tokens)
+        if not keys or not (self.load or self.save):
             return 0
-        state.stored = self._lookup(state, state.keys[:usable])
-        state.saved = state.stored
-        hit = state.stored * self.config.chunk_tokens
+        state.stored = self._lookup(state, keys, lease=self.load)
+        state.saved = max(state.saved, state.stored)
+        if not self.load:
+            return 0
+        usable = (num_tokens - 1) // self.config.chunk_tokens  # leave one token to compute
+        hit = min(state.stored, usable) * self.config.chunk_tokens
+        log.debug(
+            "kvstore: %s has %d full chunks, %d stored; %d tokens computed here, %d in the store",
+            request.request_id,
+            len(keys),
+            state.stored,
+            num_computed_tokens,
+            hit,
+        )
         if hit <= num_computed_tokens:
             self._release(state)
             return 0
         state.load_tokens = (num_computed_tokens, hit)
         return hit - num_computed_tokens
 
-    def _lookup(self, state: _Request, keys: list[bytes]) -> int:
-        """Chunks every rank's part of which is stored; leases them meanwhile."""
+    def _lookup(self, state: _Request, keys: list[bytes], lease: bool) -> int:
+        """Chunks every rank's part of which is stored; leased for loading when ``lease``."""
         matched = len(keys)
+        ttl = self.config.lease_ttl_s if lease else 0.0
+        self.counters.lookups += 1
         try:
             for rank in range(self.tp):
                 parts = [part_key(k, rank, self.tp) for k in keys[:matched]]
-                res = self.client.lookup(parts, lease_ttl_s=self.config.lease_ttl_s)
+                res = self.client.lookup(parts, lease_ttl_s=ttl)
                 if res.lease_id:
                     state.lease_ids.append(res.lease_id)
                 matched = min(matched, res.matched)
                 if matched == 0:
                     break
         except Exception as exc:  # a store that is down or slow must never stop the engine
-            self.lookup_failures += 1
-            log.warning("kvstore lookup failed, computing instead: %s", exc)
+            self.counters.lookup_failures += 1
+            if self.counters.lookup_failures == 1:
+                log.warning("kvstore lookup failed, computing instead: %s", exc)
             return 0
         return matched
 
     def after_alloc(self, request, num_external_tokens: int) -> None:
         state = self._reqs.get(request.request_id)
-        if state is not None and num_external_tokens == 0:
+        if state is None or state.load_tokens is None:
+            return
+        if num_external_tokens == 0:
             state.load_tokens = None
+            self._release(state)
+            return
+        local, _ = state.load_tokens
+        state.load_tokens = (local, local + num_external_tokens)
+        state.allocated = True
+        self._pending.add(request.request_id)
+        self.counters.hit_tokens += num_external_tokens
 
     def build_meta(self, out) -> KVStoreMetadata:
         meta = KVStoreMetadata()
+        for req_id in getattr(out, "preempted_req_ids", None) or ():
+            state = self._reqs.get(req_id)
+            if state is not None:
+                state.block_ids = []  # freed; the resumption brings new ones
         for new in out.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
             if state is None:
                 continue
             state.block_ids = list(new.block_ids[0])
-            if state.load_tokens is not None:
-                local, hit = state.load_tokens
-                n = hit // self.config.chunk_tokens
-                meta.loads.append(
-                    LoadSpec(
-                        new.req_id,
-                        state.keys[:n],
-                        state.block_ids[: n * self.blocks_per_chunk],
-                        local // self.block_size,
-                    )
-                )
-                state.load_tokens = None
+            self._plan_load(new.req_id, state, meta)
             self._plan_save(new.req_id, state, new.num_computed_tokens, out, meta)
         cached = out.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
         for i, req_id in enumerate(cached.req_ids):
             state = self._reqs.get(req_id)
             if state is None:
                 continue
             new_blocks = cached.new_block_ids[i]
-            if new_blocks is not None:
-                if req_id in cached.resumed_req_ids:
-                    state.block_ids = list(new_blocks[0])
-                else:
-                    state.block_ids.extend(new_blocks[0])
+            if req_id in resumed:
+                # a resumed request holds only new blocks, all of them listed here
+                state.block_ids = list(new_blocks[0]) if new_blocks is not None else []
+                if state.load_tokens is not None:
+                    self.counters.resumed_loads += 1
+                self._plan_load(req_id, state, meta)
+            elif new_blocks is not None:
+                state.block_ids.extend(new_blocks[0])
             self._plan_save(req_id, state, cached.num_computed_tokens[i], out, meta)
+        for req_id in self._pending:  # allocated yet not scheduled: vLLM never does this
+            log.warning("kvstore: request %s was allocated a load but not scheduled", req_id)
+            state = self._reqs.get(req_id)
+            if state is not None:
+                state.load_tokens, state.allocated = None, False
+        self._pending.clear()
         return meta
 
+    def _plan_load(self, req_id: str, state: _Request, meta: KVStoreMetadata) -> None:
+        if state.load_tokens is None or not state.allocated:
+            return
+        local, end = state.load_tokens
+        state.load_tokens, state.allocated = None, False
+        self._pending.discard(req_id)
+        chunk = self.config.chunk_tokens
+        n_chunks = -(-end // chunk)
+        n_blocks = -(-end // self.block_size)
+        meta.loads.append(
+            LoadSpec(
+                req_id,
+                state.chain.keys[:n_chunks],
+                state.block_ids[:n_blocks],
+                local // self.block_size,
+            )
+        )
+        self.counters.loads_planned += 1
+
     def _plan_save(self, req_id: str, state: _Request, computed: int, out, meta) -> None:
-        """Chunks of the prompt whose KV is complete after this step and not yet stored."""
+        """Full chunks whose KV is complete after this step and not yet stored or planned.
+
+        Only tokens vLLM already knows count: a scheduled token past them (an
+        unsampled placeholder, a speculative draft) has no KV worth keeping yet.
+        """
         if not self.save:
             return
-        done = computed + out.num_scheduled_tokens.get(req_id, 0)
-        upto = min(done // self.config.chunk_tokens, len(state.keys))
-        upto = min(upto, len(state.block_ids) // self.blocks_per_chunk)
+        done = min(computed + out.num_scheduled_tokens.get(req_id, 0), state.chain.num_tokens)
+        if not self.config.save_generated:
+            done = min(done, len(state.chain.request.prompt_token_ids or []))
+        keys = state.chain.extend(done)
+        upto = min(done // self.config.chunk_tokens, len(state.block_ids) // self.blocks_per_chunk)
         if upto <= state.saved:
             return
         bpc = self.blocks_per_chunk
         meta.saves.append(
             SaveSpec(
                 req_id,
-                state.keys[state.saved : upto],
-                state.keys[state.saved - 1] if state.saved else None,
+                keys[state.saved : upto],
+                keys[state.saved - 1] if state.saved else None,
                 state.block_ids[state.saved * bpc : upto * bpc],
             )
         )
+        self.counters.chunks_planned += upto - state.saved
         state.saved = upto
 
     def finished(self, request) -> None:
         state = self._reqs.pop(request.request_id, None)
+        self._pending.discard(request.request_id)
         if state is not None:
             self._release(state)
 
