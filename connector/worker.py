@@ -3,13 +3,18 @@
 Offers ``WorkerHalf`` with ``register(kv_caches)``, ``load(meta)`` (before the
 forward: synchronous, bounded by ``load_timeout_s``), ``save(meta)`` (after the
 forward: copies the chunks out of the paged cache, then encodes and sends them
-from a background thread through a bounded queue — when the queue is full the
-chunk is skipped and counted, never waited for), ``load_errors()`` and
-``close()``.
+from a background thread), ``finished(req_ids)``, ``load_errors()`` and ``close()``.
 
 A load that fails or comes back short reports the blocks it could not fill, so
 vLLM recomputes them; a chunk whose payload does not match the engine's
 geometry is treated the same way. The engine never attends over unchecked KV.
+
+Saving never raises into the engine and never waits for the store: each step's
+chunks go to the sender as one item, bounded by ``save_queue_depth`` steps and
+``save_queue_bytes`` of copied KV. A chunk that does not fit, fails to copy,
+or fails to send ends its request's chain there: none of that request's later
+chunks is sent (the store would refuse them as orphans). Everything is counted
+in ``counters``; each kind of error is logged once.
 """
 
 from __future__ import annotations
@@ -39,8 +44,18 @@ class WorkerCounters:
     loaded_tokens: int = 0
     load_failures: int = 0
     saved_chunks: int = 0
-    save_skipped: int = 0
-    save_failures: int = 0
+    save_skipped: int = 0  # chunks not sent: queue full, or their chain had ended before
+    save_failures: int = 0  # chunks that failed to copy, encode or send, or were refused
+    chains_ended: int = 0  # requests whose chain ended before its last chunk
+
+
+@dataclass
+class _Chunk:
+    req_id: str
+    key: bytes
+    parent: bytes | None
+    k: torch.Tensor
+    v: torch.Tensor
 
 
 def _layer_order(name: str) -> tuple[int, str]:
@@ -74,8 +89,12 @@ class WorkerHalf:
         self._errors: set[int] = set()
         self._queue: queue.Queue = queue.Queue(maxsize=config.save_queue_depth)
         self._sender: threading.Thread | None = None
-        self._idle = threading.Condition()
-        self._pending = 0
+        self._idle = threading.Condition()  # guards the three fields below
+        self._pending = 0  # steps queued or being sent
+        self._queued_bytes = 0
+        self._ended: set[str] = set()  # requests whose chain ended: gather nothing more
+        self._send_failed: set[str] = set()  # the sender's own: drop their queued chunks too
+        self._logged: set[str] = set()
 
     @property
     def client(self):
@@ -100,7 +119,11 @@ class WorkerHalf:
 
     def load(self, meta: KVStoreMetadata) -> None:
         for spec in meta.loads:
-            self._load_one(spec)
+            try:
+                self._load_one(spec)
+            except Exception as exc:  # unreachable by design; still never the engine's problem
+                self._log_once("load", "kvstore load for %s failed: %r", spec.req_id, exc)
+                self._errors.update(spec.block_ids[spec.first_block :])
 
     def _load_one(self, spec: LoadSpec) -> None:
         bpc = self.blocks_per_chunk
@@ -129,7 +152,7 @@ class WorkerHalf:
         skip = max(0, skip)
         if skip >= len(blocks):
             return
-        tokens = slice(skip * self.block_size, None)
+        tokens = slice(skip * self.block_size, len(blocks) * self.block_size)
         for layer, cache in enumerate(self._layers):
             kl = k[layer][:, tokens].to(cache.device, cache.dtype)
             vl = v[layer][:, tokens].to(cache.device, cache.dtype)
@@ -145,31 +168,81 @@ class WorkerHalf:
     # ---- saving ----------------------------------------------------------------------
 
     def save(self, meta: KVStoreMetadata) -> None:
+        """Copy this step's chunks out of the cache and queue them; never raises."""
+        chunks: list[_Chunk] = []
+        full = self._queue.full()
         for spec in meta.saves:
-            self._save_one(spec)
+            try:
+                self._gather(spec, chunks, full)
+            except Exception as exc:
+                self._log_once("gather", "kvstore save of %s failed: %r", spec.req_id, exc)
+                self._count("save_failures", 1)
+                self._end_chain(spec.req_id)
+        if chunks:
+            self._enqueue(chunks)
 
-    def _save_one(self, spec: SaveSpec) -> None:
+    def _gather(self, spec: SaveSpec, out: list[_Chunk], queue_full: bool) -> None:
+        with self._idle:
+            ended = spec.req_id in self._ended
+        if ended:
+            self._count("save_skipped", len(spec.keys))
+            return
         bpc = self.blocks_per_chunk
         parent = spec.parent
         for j, key in enumerate(spec.keys):
-            blocks = spec.block_ids[j * bpc : (j + 1) * bpc]
-            if self._queue.full():
-                # never stall the engine: later chunks of this chain lose their parent too
-                skipped = len(spec.keys) - j
-                if self.counters.save_skipped == 0:
-                    log.warning(
-                        "kvstore save queue full (save_queue_depth=%d): skipping chunks; "
-                        "the store is slower than the engine",
-                        self.config.save_queue_depth,
-                    )
-                self.counters.save_skipped += skipped
+            chunk_bytes = self._chunk_bytes()
+            with self._idle:
+                over = self._queued_bytes + chunk_bytes > self.config.save_queue_bytes
+                if not (queue_full or over):
+                    self._queued_bytes += chunk_bytes
+            if queue_full or over:
+                # never stall the engine: the chain ends here, cleanly
+                self._log_once(
+                    "full",
+                    "kvstore save queue full (save_queue_depth=%d steps, save_queue_bytes=%d): "
+                    "chains end early; the store is slower than the engine",
+                    self.config.save_queue_depth,
+                    self.config.save_queue_bytes,
+                )
+                self._count("save_skipped", len(spec.keys) - j)
+                self._end_chain(spec.req_id)
                 return
-            ks, vs = zip(*(self._layout.gather(cache, blocks) for cache in self._layers))
-            # the copies above are the engine's data now; encoding can wait for the thread
-            self._enqueue((key, parent, torch.stack(ks), torch.stack(vs)))
+            blocks = spec.block_ids[j * bpc : (j + 1) * bpc]
+            try:
+                ks, vs = zip(*(self._layout.gather(cache, blocks) for cache in self._layers))
+            except Exception:
+                with self._idle:
+                    self._queued_bytes -= chunk_bytes
+                raise
+            # the copies are the connector's now; encoding and sending can wait for the thread
+            out.append(_Chunk(spec.req_id, key, parent, torch.stack(ks), torch.stack(vs)))
             parent = key
 
-    def _enqueue(self, item) -> None:
+    def _chunk_bytes(self) -> int:
+        """Bytes of one chunk's copied K and V in the engine's dtype."""
+        per_token = 2 * self._heads() * self.ns.head_dim * self._layers[0].element_size()
+        return self.ns.num_layers * self.config.chunk_tokens * per_token
+
+    def _end_chain(self, req_id: str) -> None:
+        with self._idle:
+            if req_id in self._ended:
+                return
+            self._ended.add(req_id)
+            self.counters.chains_ended += 1
+
+    def _fail_chain(self, req_id: str) -> None:
+        """The sender could not store a chunk of ``req_id``: end its chain, queued chunks too."""
+        with self._idle:
+            self._send_failed.add(req_id)
+        self._end_chain(req_id)
+
+    def finished(self, req_ids) -> None:
+        """Requests vLLM finished: forget their ended chains."""
+        with self._idle:
+            self._ended.difference_update(req_ids)
+            self._send_failed.difference_update(req_ids)
+
+    def _enqueue(self, chunks: list[_Chunk]) -> None:
         if self._sender is None:
             self._sender = threading.Thread(
                 target=self._send_loop, daemon=True, name="kvstore-save"
@@ -177,34 +250,69 @@ class WorkerHalf:
             self._sender.start()
         with self._idle:
             self._pending += 1
-        self._queue.put_nowait(item)
+        self._queue.put_nowait(chunks)
 
     def _send_loop(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
+            chunks = self._queue.get()
+            if chunks is None:
                 return
-            key, parent, k, v = item
             try:
-                payload = codec.encode(k, v, self.config.codec)
-                rec = ChunkRecord(
-                    part_key(key, self.rank, self.tp),
-                    part_key(parent, self.rank, self.tp) if parent else None,
-                    self.ns_digest,
-                    payload,
-                )
-                result = self.client.put([rec], timeout_s=self.config.save_timeout_s)
-                self.counters.saved_chunks += result.stored + result.duplicates
-                if result.rejected:
-                    self.counters.save_failures += len(result.rejected)
-                    log.warning("kvstore refused a chunk: %s", result.rejected[0][1])
-            except Exception as exc:
-                self.counters.save_failures += 1
-                log.warning("kvstore save failed (chunk dropped): %s", exc)
+                self._send(chunks)
+            except Exception as exc:  # a bug here must not kill the sender
+                self._log_once("send", "kvstore sender failed: %r", exc)
+                self._count("save_failures", len(chunks))
             finally:
                 with self._idle:
+                    self._queued_bytes -= len(chunks) * self._chunk_bytes()
                     self._pending -= 1
                     self._idle.notify_all()
+
+    def _send(self, chunks: list[_Chunk]) -> None:
+        records, owners = [], {}
+        for c in chunks:
+            with self._idle:
+                failed = c.req_id in self._send_failed
+            if failed:  # an earlier chunk of its chain was not stored: this one is an orphan
+                self._count("save_skipped", 1)
+                continue
+            try:
+                payload = codec.encode(c.k, c.v, self.config.codec)
+            except Exception as exc:
+                self._log_once("encode", "kvstore could not encode a chunk: %r", exc)
+                self._count("save_failures", 1)
+                self._fail_chain(c.req_id)
+                continue
+            key = part_key(c.key, self.rank, self.tp)
+            parent = part_key(c.parent, self.rank, self.tp) if c.parent else None
+            records.append(ChunkRecord(key, parent, self.ns_digest, payload))
+            owners[key] = c.req_id
+        if not records:
+            return
+        try:
+            result = self.client.put(records, timeout_s=self.config.save_timeout_s)
+        except Exception as exc:
+            self._log_once("put", "kvstore save failed (chunks dropped): %s", exc)
+            self._count("save_failures", len(records))
+            for req_id in set(owners.values()):
+                self._fail_chain(req_id)
+            return
+        self._count("saved_chunks", result.stored + result.duplicates)
+        if result.rejected:
+            self._count("save_failures", len(result.rejected))
+            self._log_once("refused", "kvstore refused a chunk: %s", result.rejected[0][1])
+            for key, _ in result.rejected:
+                if key in owners:
+                    self._fail_chain(owners[key])
+
+    def _count(self, name: str, n: int) -> None:
+        with self._idle:  # two threads count
+            setattr(self.counters, name, getattr(self.counters, name) + n)
+
+    def _log_once(self, kind: str, msg: str, *args) -> None:
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning(msg + " (logged once; see the connector's counters)", *args)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until queued saves were sent (tests and shutdown)."""
