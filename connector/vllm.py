@@ -11,6 +11,12 @@ Load it with::
 The scheduler process gets a ``SchedulerHalf`` (lookups and plans), each worker
 a ``WorkerHalf`` (loads and saves). ``kv_producer`` only saves, ``kv_consumer``
 only loads, ``kv_both`` does both.
+
+A load that fails costs only a recompute when vLLM is told so
+(``"kv_load_failure_policy": "recompute"`` in ``kv_transfer_config``); with
+vLLM's default ``fail`` the request fails, and the connector says so at start.
+Pipeline parallelism is refused at start: a stage's chunks would carry only
+its own layers under keys the other stages share.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from connector.config import ConnectorConfig
+from connector.config import ConnectorConfig, ConnectorConfigError
 from connector.namespace import engine_namespace
 from connector.plan import KVStoreMetadata
 from connector.scheduler import SchedulerHalf
@@ -39,6 +45,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         block_size = vllm_config.cache_config.block_size
         self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config, block_size)
+        pp = vllm_config.parallel_config.pipeline_parallel_size
+        if pp > 1:
+            raise ConnectorConfigError(
+                f"KVStoreConnector does not support pipeline parallelism "
+                f"(pipeline_parallel_size={pp}): each stage holds only its own layers, and "
+                "stages would store and load each other's chunks under the same keys; run "
+                "with tensor parallelism only"
+            )
         namespace = engine_namespace(
             vllm_config, self.config.chunk_tokens, self.config.codec, self.config.namespace_salt
         )
@@ -51,6 +65,15 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerHalf(
                 self.config, namespace, block_size, load=load, save=save
             )
+            policy = getattr(transfer, "kv_load_failure_policy", "fail")
+            if load and policy != "recompute":
+                log.warning(
+                    "kvstore connector: kv_load_failure_policy is %r, so vLLM fails a request "
+                    "whose load from the store fails (store restarted, chunk evicted, network "
+                    'error) instead of recomputing it; set "kv_load_failure_policy": '
+                    '"recompute" in kv_transfer_config',
+                    policy,
+                )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -97,9 +120,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         """Chunks are saved whole, after the last layer, in ``wait_for_save``."""
 
     def wait_for_save(self) -> None:
+        """Copies this step's chunks out of the cache; sending happens in the background."""
         meta = self._get_connector_metadata()
         if isinstance(meta, KVStoreMetadata) and meta.saves:
             self._worker.save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[None, None]:
+        if self._worker is not None and finished_req_ids:
+            self._worker.finished(finished_req_ids)
+        return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()
@@ -108,3 +137,4 @@ class KVStoreConnector(KVConnectorBase_V1):
         for half in (self._worker, self._scheduler):
             if half is not None:
                 half.close()
+                log.info("kvstore connector %s counters: %s", self.role.name, half.counters)
