@@ -1,12 +1,20 @@
 """One vLLM engine in its own process, driven over stdin/stdout with JSON lines.
 
-    python engine_driver.py MODEL_DIR CONNECTOR_JSON|none
+    python engine_driver.py MODEL_DIR CONNECTOR_JSON|none [LLM_KWARGS_JSON]
 
 Prints (after the ``@@engine`` marker) ``{"ready": ...}`` once the engine is up
 (or ``{"error": ...}`` and exits 1 if it refused to start), then answers each
 request line
 ``{"prompt": [token ids], "max_tokens": n}`` with
 ``{"tokens": [...], "logprobs": [...], "num_cached_tokens": n, "seconds": s}``.
+
+A request may also name a ``cache_salt`` and a ``lora`` adapter
+(``{"name", "id", "path"}``). ``{"batch": [request, ...], "max_tokens": n}``
+runs its requests concurrently in one ``generate`` and answers
+``{"outputs": [answer, ...], "seconds": s}``; ``{"metrics": true}`` answers
+vLLM's counters as ``{"metrics": {name: value}}`` (the engine must be started
+with ``disable_log_stats: false``). ``LLM_KWARGS_JSON`` overrides the engine's
+arguments (a small ``num_gpu_blocks_override`` forces preemptions).
 """
 
 from __future__ import annotations
@@ -31,25 +39,58 @@ def say(obj: dict) -> None:
     sys.stdout.flush()
 
 
+def prompt_and_lora(req: dict):
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    prompt = TokensPrompt(prompt_token_ids=req["prompt"])
+    if req.get("cache_salt"):
+        prompt["cache_salt"] = req["cache_salt"]
+    lora = req.get("lora")
+    return prompt, LoRARequest(lora["name"], lora["id"], lora["path"]) if lora else None
+
+
+def answer(out) -> dict:
+    done = out.outputs[0]
+    return {
+        "tokens": list(done.token_ids),
+        "logprobs": [lp[tok].logprob for lp, tok in zip(done.logprobs or [], done.token_ids)],
+        "num_cached_tokens": out.num_cached_tokens or 0,
+    }
+
+
+def metrics(llm) -> dict:
+    """Counters and gauges summed over their labels."""
+    values: dict = {}
+    for m in llm.get_metrics():
+        value = getattr(m, "value", None)
+        if isinstance(value, (int, float)):
+            values[m.name] = values.get(m.name, 0) + value
+    return values
+
+
 def main() -> int:
     model, connector = sys.argv[1], sys.argv[2]
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
     kwargs = {}
     if connector != "none":
         kwargs["kv_transfer_config"] = json.loads(connector)
+    if len(sys.argv) > 3:
+        kwargs.update(json.loads(sys.argv[3]))
     t0 = time.perf_counter()
     try:
         llm = LLM(
-            model=model,
-            dtype="float32",
-            enforce_eager=True,
-            block_size=32,
-            max_model_len=2048,
-            enable_prefix_caching=False,
-            seed=0,
-            **kwargs,
+            **{
+                "model": model,
+                "dtype": "float32",
+                "enforce_eager": True,
+                "block_size": 32,
+                "max_model_len": 2048,
+                "enable_prefix_caching": False,
+                "seed": 0,
+                **kwargs,
+            }
         )
     except Exception as exc:  # the test reads why the engine refused to start
         say({"error": f"{type(exc).__name__}: {exc}"})
@@ -57,20 +98,21 @@ def main() -> int:
     say({"ready": time.perf_counter() - t0})
     for line in sys.stdin:
         req = json.loads(line)
-        params = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 8), logprobs=0)
         t = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=req["prompt"])], params, use_tqdm=False)
-        done = out[0].outputs[0]
-        say(
-            {
-                "tokens": list(done.token_ids),
-                "logprobs": [
-                    lp[tok].logprob for lp, tok in zip(done.logprobs or [], done.token_ids)
-                ],
-                "num_cached_tokens": out[0].num_cached_tokens or 0,
-                "seconds": time.perf_counter() - t,
-            }
-        )
+        if req.get("metrics"):
+            say({"metrics": metrics(llm)})
+            continue
+        batch = req.get("batch", [req])
+        params = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 8), logprobs=0)
+        prompts, loras = zip(*(prompt_and_lora(r) for r in batch))
+        lora = list(loras) if any(loras) else None
+        outs = llm.generate(list(prompts), params, use_tqdm=False, lora_request=lora)
+        answers = [answer(out) for out in outs]
+        seconds = time.perf_counter() - t
+        if "batch" in req:
+            say({"outputs": answers, "seconds": seconds})
+        else:
+            say({**answers[0], "seconds": seconds})
     return 0
 
 

@@ -2,7 +2,8 @@
 
 ``build_tiny_llama(out_dir, ...)`` writes config, safetensors, tokenizer and a
 greedy generation config that transformers and vLLM both load. Same arguments
-and seed give byte-identical files.
+and seed give byte-identical files. ``build_lora_adapter(out_dir, model_dir)``
+writes a PEFT-format LoRA adapter with random weights for that model.
 """
 
 from __future__ import annotations
@@ -106,6 +107,49 @@ def build_tiny_llama(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, do_sample=False
     )
     gen_path.write_text(json.dumps(gen, indent=2) + "\n")
+    return out
+
+
+def build_lora_adapter(
+    out_dir: str | os.PathLike,
+    model_dir: str | os.PathLike,
+    *,
+    rank: int = 8,
+    scale: float = 0.5,  # large enough that the adapter changes greedy outputs
+    seed: int = 1,
+) -> Path:
+    """A LoRA adapter (PEFT layout, no peft needed) on q_proj and v_proj of every layer."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    outs = {
+        "q_proj": cfg["num_attention_heads"] * head_dim,
+        "v_proj": cfg["num_key_value_heads"] * head_dim,
+    }
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(layers):
+        for module, out_features in outs.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            weights[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=g) * scale
+            weights[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=g) * scale
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(out / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": rank,
+        "target_modules": sorted(outs),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "base_model_name_or_path": str(model_dir),
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 
 
