@@ -12,10 +12,17 @@ several servers can live in one process) and offers:
 What the store already counts is not counted twice: a collector calls ``stats_fn()``
 once per scrape and exports the ``StoreStats`` it returns.
 
+Every label has a bounded set of values: ``reason`` takes only the fixed codes in
+``REJECT_REASONS`` / ``STORE_REJECT_REASONS`` (anything else is counted as
+``other``, and every code is exported from the start, at 0), ``code`` is a gRPC
+status name, ``method`` an RPC name, ``tier`` a configured tier, ``direction``
+``in`` or ``out``.
+
 Exported metrics (counters end in ``_total``; label in braces):
 
 Events (updated by the service)
-    kvstore_rpc_duration_seconds{method}      histogram, 50us..10s buckets
+    kvstore_rpc_duration_seconds{method}      histogram, 50us..10s buckets; a Get is
+                                              timed until its last chunk is sent
     kvstore_rpc_total{method,code}            RPCs finished, by gRPC status name
     kvstore_rejected_requests_total{reason}   requests refused by the service
     kvstore_wire_bytes_total{direction}       payload bytes on the wire, "in" or "out"
@@ -72,6 +79,39 @@ RPC_BUCKETS = (
 )
 # fmt: on
 DIRECTIONS = ("in", "out")
+OTHER = "other"
+# Why the service refused a request (kvstore_rejected_requests_total{reason}).
+REJECT_REASONS = (
+    "bad_payload",
+    "bad_ttl",
+    "failed_precondition",
+    "invalid_argument",
+    "malformed_request",
+    "not_found",
+    "shm_disabled",
+    "shm_not_local",
+    "shutting_down",
+    "tiers_full",
+    "too_large",
+    "too_many_bytes",
+    "too_many_keys",
+    "too_many_leases",
+    "too_many_streams",
+    "unauthenticated",
+    OTHER,
+)
+# Why the store refused a chunk (kvstore_store_rejected_total{reason}).
+STORE_REJECT_REASONS = (
+    "bad_payload",
+    "key_conflict",
+    "parent_not_stored",
+    "parent_rejected",
+    "tiers_full",
+    "too_large",
+    "write_failed",
+    "write_through_full",
+    OTHER,
+)
 
 # (metric suffix, TierStats field, help) for the per-tier counters.
 _TIER_COUNTERS = (
@@ -110,8 +150,10 @@ class StoreCollector:
         rejected = CounterMetricFamily(
             "kvstore_store_rejected", "Chunks the store refused, by reason.", labels=["reason"]
         )
-        # the store counts under short fixed codes, so the label set stays bounded
-        for reason, n in sorted(s.rejected.items()):
+        counts = dict.fromkeys(STORE_REJECT_REASONS, 0)
+        for reason, n in s.rejected.items():
+            counts[reason if reason in counts else OTHER] += n
+        for reason, n in counts.items():
             rejected.add_metric([reason], n)
         yield rejected
         yield GaugeMetricFamily("kvstore_active_leases", "Leases held now.", value=s.active_leases)
@@ -181,12 +223,16 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        for reason in REJECT_REASONS:
+            self._rejected.labels(reason)  # exported at 0, so rates and alerts see it from start
         self._wire = Counter(
             "kvstore_wire_bytes_total",
             "Chunk payload bytes received (in) and sent (out) over the wire.",
             ["direction"],
             registry=self.registry,
         )
+        for direction in DIRECTIONS:
+            self._wire.labels(direction)
         self.registry.register(StoreCollector(stats_fn))
 
     def observe_rpc(self, method: str, seconds: float, code: str) -> None:
@@ -194,7 +240,7 @@ class Metrics:
         self._rpcs.labels(method, code).inc()
 
     def rejected(self, reason: str, n: int = 1) -> None:
-        self._rejected.labels(reason).inc(n)
+        self._rejected.labels(reason if reason in REJECT_REASONS else OTHER).inc(n)
 
     def bytes_transferred(self, direction: str, n: int) -> None:
         if direction not in DIRECTIONS:

@@ -132,16 +132,31 @@ class KVStoreService:
             return Caller(client=f"peer:{_host_of(context.peer())}")
         return self.tenants.authenticate(context.invocation_metadata())
 
-    def _call(self, method: str, context: grpc.ServicerContext, fn: Callable[[Caller], object]):
-        """Run ``fn(caller)`` with draining, authentication, error mapping and metrics."""
-        t0 = time.perf_counter()
+    def _call(
+        self,
+        method: str,
+        context: grpc.ServicerContext,
+        fn: Callable[[Caller], object],
+        *,
+        stream: bool = False,
+    ):
+        """Run ``fn(caller)`` with draining, authentication, error mapping and metrics.
+
+        With ``stream``, ``fn`` returns the response messages, and the call is timed
+        until the last of them is sent (or the client goes away), not until ``fn``
+        returns.
+        """
+        t0: float | None = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
             if self._draining.is_set():
                 raise _Abort(
                     grpc.StatusCode.UNAVAILABLE, "server is shutting down", "shutting_down"
                 )
-            return fn(self._caller(context))
+            result = fn(self._caller(context))
+            if stream:
+                result, t0 = self._streamed(method, t0, result), None
+            return result
         except QuotaExceeded as exc:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED
             self._reject(exc.reason)
@@ -163,6 +178,24 @@ class KVStoreService:
             code = grpc.StatusCode.INTERNAL
             log.exception("%s failed", method)
             context.abort(code, f"internal error in {method}; see the server log")
+        finally:
+            if self.metrics is not None and t0 is not None:
+                self.metrics.observe_rpc(method, time.perf_counter() - t0, code.name)
+
+    def _streamed(self, method: str, t0: float, messages: Iterator[bytes]) -> Iterator[bytes]:
+        """``messages``, counted on the wire; the call's time and code are recorded at its end."""
+        code = grpc.StatusCode.OK
+        try:
+            for message in messages:
+                self._wire("out", len(message))
+                yield message
+        except GeneratorExit:
+            code = grpc.StatusCode.CANCELLED  # gRPC dropped the stream: the client went away
+            raise
+        except Exception:
+            code = grpc.StatusCode.UNKNOWN  # what gRPC answers for a failing response stream
+            log.exception("%s failed while streaming", method)
+            raise
         finally:
             if self.metrics is not None:
                 self.metrics.observe_rpc(method, time.perf_counter() - t0, code.name)
@@ -192,8 +225,8 @@ class KVStoreService:
         return self._call("Lookup", context, run)
 
     def Get(self, request, context) -> Iterator[bytes]:
-        # A generator cannot abort after it started streaming, so validate, and read or
-        # lease the chunks, first.
+        # A stream cannot abort once it started, so validate, and read or lease the
+        # chunks, first; the call is timed until its last message is sent.
         def run(caller: Caller):
             keys = self._keys(request.keys)
             stream = self.quotas.stream(caller.client)
@@ -207,9 +240,7 @@ class KVStoreService:
                 raise
             return self._encode(keys, payloads, lease_id, stream)
 
-        for message in self._call("Get", context, run):
-            self._wire("out", len(message))
-            yield message
+        return self._call("Get", context, run, stream=True)
 
     def GetShm(self, request, context):
         """All handles in one message: a streamed message each costs more than its copy."""
@@ -290,8 +321,7 @@ class KVStoreService:
                 stored += result.stored
                 dups += result.duplicates
                 rejected += result.rejected
-            for _, reason in rejected:
-                self._reject(reason.split(":")[0].replace(" ", "_"))
+            # chunks the store refused are counted by the store, under fixed codes
             return pb.PutResponse(
                 stored=stored,
                 duplicates=dups,

@@ -1,11 +1,15 @@
 """Metrics over a real TieredStore, scraped from the real /metrics HTTP endpoint."""
 
+import ast
+import re
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore.metrics import Metrics
+import kvstore
+from kvstore.metrics import REJECT_REASONS, STORE_REJECT_REASONS, Metrics
 from kvstore.stats import StoreStats, TierStats
 from kvstore.store import TieredStore
 from kvstore.tiers.dram import DramTier
@@ -222,3 +226,65 @@ def test_bad_arguments_are_refused():
     for listen in ("9400", "host:", "host:port", "host:70000"):
         with pytest.raises(ValueError, match="host:port"):
             metrics.serve_http(listen)
+
+
+def _is_str(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+
+def _reason_codes(path: Path) -> set[str]:
+    """The reason codes a module passes to the metrics: the string argument of each
+    ``_Abort``/``QuotaExceeded``/``_reject`` call, the codes of ``_CODES``, and the first
+    field of the store's ``(code, message)`` rejections."""
+    found: set[str] = set()
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            fn = (
+                node.func.attr
+                if isinstance(node.func, ast.Attribute)
+                else getattr(node.func, "id", "")
+            )
+            if fn in ("_Abort", "QuotaExceeded") and isinstance(node.args[-1], ast.Constant):
+                found.add(node.args[-1].value)
+            elif fn == "_reject":
+                found |= {c.value for c in ast.walk(node.args[0]) if _is_str(c)}
+        elif isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "_CODES":
+            found |= {t.elts[2].value for t in node.value.elts}
+        elif (
+            isinstance(node, ast.Tuple)
+            and len(node.elts) == 2
+            and all(isinstance(e, ast.Constant | ast.JoinedStr) for e in node.elts)
+            and _is_str(node.elts[0])
+            and re.fullmatch(r"[a-z_]+", node.elts[0].value)
+        ):
+            found.add(node.elts[0].value)
+    return found
+
+
+def test_every_reason_code_in_the_code_is_a_fixed_label_value():
+    package = Path(kvstore.__file__).parent
+    service = _reason_codes(package / "service.py") | _reason_codes(package / "quotas.py")
+    store = _reason_codes(package / "store.py")
+    assert {"too_many_keys", "shutting_down", "too_many_streams"} <= service  # the scan works
+    assert {"parent_not_stored", "write_failed"} <= store
+    assert service <= set(REJECT_REASONS), service - set(REJECT_REASONS)
+    assert store <= set(STORE_REJECT_REASONS), store - set(STORE_REJECT_REASONS)
+
+
+def test_an_unknown_reason_counts_as_other_so_the_label_set_stays_bounded():
+    metrics = Metrics(
+        lambda: StoreStats(tiers=[], rejected={"parent_not_stored": 2, "something new": 1})
+    )
+    metrics.rejected("a free-text message with 17 bytes")
+    got = samples(metrics.render().decode())
+    assert value(got, "kvstore_rejected_requests_total", reason="other") == 1
+    assert value(got, "kvstore_rejected_requests_total", reason="too_large") == 0
+    assert value(got, "kvstore_store_rejected_total", reason="other") == 1
+    assert value(got, "kvstore_store_rejected_total", reason="parent_not_stored") == 2
+    reasons = {
+        dict(labels)["reason"]
+        for name, labels in got
+        if name in ("kvstore_rejected_requests_total", "kvstore_store_rejected_total")
+    }
+    assert reasons == set(REJECT_REASONS) | set(STORE_REJECT_REASONS)
