@@ -64,6 +64,11 @@ def _channel_options(opts: ClientOptions) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", opts.max_message_bytes),
         ("grpc.max_receive_message_length", opts.max_message_bytes),
+        # A store that restarts is back within a second or two; gRPC's default backoff
+        # (growing to two minutes) would leave a long-lived client failing fast meanwhile.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
     ]
 
 

@@ -33,6 +33,10 @@ from kvstore.types import InvalidArgument
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 ENV_PREFIX = "KVSTORE_"
 ENV_CONFIG = "KVSTORE_CONFIG"
+# a client's TLS and token settings (kvstore.tls.ClientAuth.from_env), not the server's
+CLIENT_ENV = frozenset(
+    ("KVSTORE_TLS_CA", "KVSTORE_TLS_CERT", "KVSTORE_TLS_KEY", "KVSTORE_TOKEN", "KVSTORE_TOKEN_FILE")
+)
 
 
 class ConfigError(InvalidArgument):
@@ -375,7 +379,7 @@ def load_config(
             for name, value in items.items():
                 put(section, str(name), value, path)
     for var, value in sorted(env.items()):
-        if var.startswith(ENV_PREFIX) and var != ENV_CONFIG:
+        if var.startswith(ENV_PREFIX) and var != ENV_CONFIG and var not in CLIENT_ENV:
             section, _, name = var[len(ENV_PREFIX) :].lower().partition("_")
             put(section, name, value, f"environment variable {var}")
     for dotted, value in (overrides or {}).items():
