@@ -2,6 +2,8 @@
 
 Client commands talk to ``--address`` (default: ``$KVSTORE_SERVER_LISTEN`` or
 127.0.0.1:50051). Every failure prints one readable line and exits non-zero.
+``stats --watch [SECONDS]`` refreshes the view with rates per second until Ctrl-C
+(or ``--count`` refreshes).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 from kvstore import __version__
@@ -100,6 +103,65 @@ def format_stats(resp, address: str) -> str:
     return "\n".join(lines)
 
 
+def rates(prev, cur) -> dict | None:
+    """Per-second rates between two Stats answers of one server, timed by the server's
+    own uptime; None when there is no interval (the first answer, or a restart)."""
+    if prev is None or cur.uptime_s <= prev.uptime_s:
+        return None
+    dt = cur.uptime_s - prev.uptime_s
+
+    def rate(now: int, before: int) -> float:
+        return max(0, now - before) / dt
+
+    before = {t.name: t for t in prev.tiers}
+    tiers = {}
+    for t in cur.tiers:
+        b = before.get(t.name)
+        tiers[t.name] = {
+            f: rate(getattr(t, f), getattr(b, f) if b else 0)
+            for f in ("hits", "bytes_in", "bytes_out", "evictions")
+        }
+    out = {
+        "interval_s": dt,
+        **{f: rate(getattr(cur, f), getattr(prev, f)) for f in _STORE_RATES},
+        "tiers": tiers,
+    }
+    for f in ("hits", "bytes_in", "bytes_out"):
+        out[f] = sum(t[f] for t in tiers.values())
+    return out
+
+
+_STORE_RATES = ("lookups", "lookup_keys", "lookup_hit_keys", "put_chunks", "put_duplicates")
+
+
+def format_rates(r: dict | None) -> str:
+    if r is None:
+        return "rates: from the next refresh"
+    rows = [("tier", "hits/s", "bytes in/s", "bytes out/s", "evictions/s")]
+    for name, t in r["tiers"].items():
+        rows.append(
+            (
+                name,
+                f"{t['hits']:.1f}",
+                _human(t["bytes_in"]),
+                _human(t["bytes_out"]),
+                f"{t['evictions']:.1f}",
+            )
+        )
+    rows.append(("all", f"{r['hits']:.1f}", _human(r["bytes_in"]), _human(r["bytes_out"]), ""))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [f"rates per second over the last {r['interval_s']:.2f} s"]
+    for row in rows:
+        cells = (c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        lines.append("  ".join(cells).rstrip())
+    hit = r["lookup_hit_keys"] / r["lookup_keys"] if r["lookup_keys"] else 0.0
+    lines += [
+        f"lookups/s   {r['lookups']:.1f} ({r['lookup_keys']:.1f} keys/s, hit rate {hit:.1%})",
+        f"puts/s      {r['put_chunks']:.1f} chunks stored ({r['put_duplicates']:.1f} duplicates)",
+    ]
+    return "\n".join(lines)
+
+
 def _client(args):
     from kvstore.client import ClientOptions, KVStoreClient
     from kvstore.tls import ClientAuth
@@ -125,13 +187,51 @@ def cmd_serve(args) -> int:
 
 
 def cmd_stats(args) -> int:
+    if args.count is not None and (args.watch is None or args.count < 1):
+        raise KVStoreError("--count N needs --watch and N >= 1")
     with _client(args) as client:
+        if args.watch is not None:
+            return _watch(client, args)
         resp = client.stats()
     if args.json:
         print(json.dumps(stats_dict(resp), indent=2, sort_keys=True))
     else:
         print(format_stats(resp, args.address))
     return 0
+
+
+def _watch(client, args) -> int:
+    """Refresh every ``args.watch`` seconds: with ``--json`` one JSON line per refresh,
+    else the table and rates (redrawn in place on a terminal). Ctrl-C ends it cleanly."""
+    redraw = sys.stdout.isatty() and not args.json
+    prev = None
+    shown = 0
+    try:
+        while True:
+            resp = client.stats()
+            r = rates(prev, resp)
+            if args.json:
+                print(json.dumps({"stats": stats_dict(resp), "rates": r}, sort_keys=True))
+            else:
+                view = format_stats(resp, args.address) + "\n\n" + format_rates(r)
+                print("\x1b[H\x1b[2J" + view if redraw else view + "\n")
+            sys.stdout.flush()
+            prev, shown = resp, shown + 1
+            if args.count is not None and shown >= args.count:
+                return 0
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
 
 def _hex_keys(values: Sequence[str], what: str) -> list[bytes]:
@@ -219,6 +319,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     stats = client_cmd("stats", "capacity, usage, hit rates and counters", cmd_stats)
     stats.add_argument("--json", action="store_true", help="machine-readable output")
+    stats.add_argument(
+        "--watch",
+        nargs="?",
+        const=2.0,
+        type=_positive,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2) with rates per second, until Ctrl-C",
+    )
+    stats.add_argument(
+        "--count", type=int, metavar="N", help="with --watch: stop after N refreshes"
+    )
     explain = client_cmd("explain", "where and why a key chain breaks", cmd_explain)
     explain.add_argument("keys", nargs="+", help="chunk keys in chain order, hex")
     explain.add_argument("--namespace", help="namespace digest, hex")
