@@ -108,7 +108,9 @@ class ClientAuth:
         return grpc.intercept_channel(ch, _TokenInterceptor(metadata)) if metadata else ch
 
     def aio_channel(self, address: str, options: list) -> grpc.aio.Channel:
-        interceptors = [_AioTokenInterceptor(self._metadata())] if self.token else None
+        md = self._metadata()
+        kinds = (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary)
+        interceptors = [kind(md) for kind in kinds] if md else None
         if self.ca:
             return grpc.aio.secure_channel(
                 address, self._credentials(), options=options, interceptors=interceptors
@@ -152,11 +154,10 @@ class _TokenInterceptor(
         )
 
 
-class _AioTokenInterceptor(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-):
+class _AioToken:
+    """Adds the token to a call's metadata. grpc.aio files an interceptor under one
+    kind only, so each kind gets its own subclass below."""
+
     def __init__(self, metadata) -> None:
         self._md = metadata
 
@@ -169,11 +170,17 @@ class _AioTokenInterceptor(
             details.wait_for_ready,
         )
 
+
+class _AioUnaryUnary(_AioToken, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
+
+class _AioUnaryStream(_AioToken, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
+
+class _AioStreamUnary(_AioToken, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, details, request_iterator):
         return await continuation(self._details(details), request_iterator)

@@ -150,7 +150,8 @@ def test_per_client_limits_are_resource_exhausted_with_a_message(serve):
 
 def test_too_many_open_streams_are_refused(serve, raw_stub):
     served = serve(limits=Limits(max_streams_per_client=1))
-    records = chain(3, seed=5)
+    # 8 MiB: more than flow control lets the server send before the client reads
+    records = chain(256, seed=5)
     with KVStoreClient(served.address, ClientOptions(**QUICK)) as c:
         c.put(records)
         stream = raw_stub(served.address).get(pb.GetRequest(keys=keys_of(records)))
@@ -159,7 +160,7 @@ def test_too_many_open_streams_are_refused(serve, raw_stub):
         err = refused(c.get, keys_of(records))
         assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "streams" in err.details
         list(stream)
-        assert len(c.get(keys_of(records))) == 3
+        assert len(c.get(keys_of(records))) == 256
 
 
 def test_metrics_never_show_keys_or_tokens(serve, pki, tenants_file):
@@ -213,3 +214,28 @@ def test_the_cli_takes_the_ca_and_a_token_file_and_keeps_the_token_off_its_comma
         env={k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_TOKEN")},
     )  # fmt: skip
     assert no_token.returncode != 0 and "UNAUTHENTICATED" in no_token.stderr + no_token.stdout
+
+
+def test_the_asyncio_client_speaks_tls_with_a_token_too(secured, pki):
+    import asyncio
+
+    from kvstore.client import AsyncKVStoreClient
+
+    records = chain(2, seed=8)
+
+    async def run(who: str | None):
+        client = AsyncKVStoreClient(
+            f"localhost:{secured.port}", ClientOptions(auth=token_auth(pki, who), **QUICK)
+        )
+        try:
+            if who is None:
+                return await client.stats()
+            await client.put(records)
+            return [bytes(p) for p in await client.get(keys_of(records))]
+        finally:
+            await client.close()
+
+    assert asyncio.run(run("team-a")) == payloads_of(records)
+    with pytest.raises(ClientError) as err:
+        asyncio.run(run(None))
+    assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
