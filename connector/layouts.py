@@ -13,7 +13,6 @@ Offers:
 - ``CpuLayout(block_size, head_dim, amx)``: vLLM's CPU attention backend (``CPU_ATTN``).
 - ``FlashLayout(block_size)``: the GPU backends (flash-attn, FlashInfer, Triton, ...).
 - ``detect_cpu_isa``, ``detect_cpu_layout``, ``layout_for``: pick the layout for an engine.
-- ``to_canonical`` / ``from_canonical``: stack per-layer (k, v) pairs into chunk tensors and back.
 - ``kernel_block_ids``: manager block ids to the cache tensor's (kernel) block ids.
 
 Block ids are the scheduler's (KV-manager) block ids. vLLM may split a manager block into
@@ -337,24 +336,6 @@ def layout_for(
     return FlashLayout(block_size, head_dim)
 
 
-# ---- chunks ------------------------------------------------------------------------------
-
-
-def to_canonical(per_layer: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-    """Stack per-layer ``(k, v)`` pairs of ``[H, T, D]`` into ``[L, H, T, D]`` K and V."""
-    if not per_layer:
-        raise ValueError("need at least one layer")
-    ks, vs = zip(*per_layer)
-    return torch.stack(ks), torch.stack(vs)
-
-
-def from_canonical(k: Tensor, v: Tensor) -> list[tuple[Tensor, Tensor]]:
-    """Split ``[L, H, T, D]`` K and V into per-layer ``(k, v)`` views (no copy)."""
-    if k.dim() != 4 or k.shape != v.shape:
-        raise ValueError(f"expected two [L, H, T, D] tensors, got {list(k.shape)}, {list(v.shape)}")
-    return list(zip(k.unbind(0), v.unbind(0)))
-
-
 __all__ = [
     "BlockIds",
     "CpuLayout",
@@ -363,8 +344,6 @@ __all__ = [
     "cpu_layout_for_isa",
     "detect_cpu_isa",
     "detect_cpu_layout",
-    "from_canonical",
     "kernel_block_ids",
     "layout_for",
-    "to_canonical",
 ]

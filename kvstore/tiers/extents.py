@@ -3,7 +3,7 @@
 No I/O: it only decides which bytes of the region hold which key. Offers
 ``ExtentTable`` with ``cost(nbytes)``, ``reserve(key, nbytes)`` (an ``Allocation``
 or ``TierFullError``), ``commit(alloc)``, ``abort(alloc)``, ``lookup(key)``,
-``remove(keys)``, ``free_bytes`` and ``largest_free``; and ``ExtentTierOps``, the
+``remove(keys)`` and ``free_bytes``; and ``ExtentTierOps``, the
 table-only methods both memory tiers share.
 
 Layout: every chunk takes ``KEY_BYTES`` for its key, then its payload, rounded
@@ -89,10 +89,6 @@ class ExtentTable:
     @property
     def free_bytes(self) -> int:
         return self._free
-
-    @property
-    def largest_free(self) -> int:
-        return self._sizes[-1][0] if self._sizes else 0
 
     def reserve(self, key: ChunkKey, nbytes: int) -> Allocation | None:
         """Room for one payload, or None if ``key`` is stored already; ``TierFullError``."""

@@ -1,7 +1,7 @@
 """NVMe tier: chunks in one LMDB environment, written by one writer thread.
 
 Offers ``NvmeTier``: the ``Tier`` interface (``write`` waits for its batch to
-commit) plus ``write_async(records, on_done)`` for write-behind,
+commit; batches queued meanwhile by other threads share one transaction),
 ``read_into(key, dest)`` (copy or decompress straight into the caller's buffer),
 ``scan()`` (headers only, to rebuild the index at start) and ``corrupt_count``.
 
@@ -29,7 +29,7 @@ import os
 import queue
 import shutil
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -147,15 +147,6 @@ class NvmeTier:
     def write(self, records: Sequence[ChunkRecord]) -> None:
         """Store a batch in one transaction, all or nothing; returns once it is committed."""
         self._submit("put", self._checked(records)).result()
-
-    def write_async(
-        self, records: Sequence[ChunkRecord], on_done: Callable[[BaseException | None], None]
-    ) -> None:
-        """Queue a batch; ``on_done(None | exception)`` runs on the writer thread once it is
-        committed or has failed. The payload buffers must stay unchanged until then, and
-        ``on_done`` must be short and must not wait for this tier."""
-        fut = self._submit("put", self._checked(records))
-        fut.add_done_callback(lambda f: on_done(f.exception()))
 
     def delete(self, keys: Sequence[ChunkKey]) -> None:
         """Drop a batch. On a read-only directory this forgets nothing on disk: the chunks

@@ -19,10 +19,8 @@ from connector.layouts import (
     cpu_layout_for_isa,
     detect_cpu_isa,
     detect_cpu_layout,
-    from_canonical,
     kernel_block_ids,
     layout_for,
-    to_canonical,
 )
 
 H, D, N, NUM_BLOCKS = 2, 32, 32, 6
@@ -234,16 +232,10 @@ def test_scatter_casts_to_the_cache_dtype():
 # ---- canonical chunks -------------------------------------------------------------------------
 
 
-def test_to_and_from_canonical():
-    layers = [(torch.randn(H, N, D), torch.randn(H, N, D)) for _ in range(3)]
-    k, v = to_canonical(layers)
-    assert k.shape == (3, H, N, D)
-    for (k0, v0), (k1, v1) in zip(layers, from_canonical(k, v)):
-        assert torch.equal(k0, k1) and torch.equal(v0, v1)
-    with pytest.raises(ValueError):
-        to_canonical([])
-    with pytest.raises(ValueError):
-        from_canonical(k, v[:2])
+def stacked(per_layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-layer ``(k, v)`` of ``[H, T, D]`` as one chunk's ``[L, H, T, D]`` K and V."""
+    ks, vs = zip(*per_layer)
+    return torch.stack(ks), torch.stack(vs)
 
 
 def test_chunk_round_trip_through_the_codec_between_layouts():
@@ -251,13 +243,13 @@ def test_chunk_round_trip_through_the_codec_between_layouts():
     codec = pytest.importorskip("kvstore.codec")
     src = [torch.randn(NUM_BLOCKS, H, N, 2 * D).bfloat16() for _ in range(2)]
     vec = CpuLayout(N, D)
-    k, v = to_canonical([vec.gather(layer, [2, 5]) for layer in src])
+    k, v = stacked([vec.gather(layer, [2, 5]) for layer in src])
     k, v = codec.decode(codec.encode(k, v, "raw"))
     for layout in (CpuLayout(N, D, amx=True), FlashLayout(N)):
         dst = [torch.zeros(NUM_BLOCKS, H, N, 2 * D, dtype=torch.bfloat16) for _ in range(2)]
-        for layer, (kl, vl) in zip(dst, from_canonical(k, v)):
+        for layer, kl, vl in zip(dst, k, v):
             layout.scatter(layer, [0, 3], kl, vl)
-        back = to_canonical([layout.gather(layer, [0, 3]) for layer in dst])
+        back = stacked([layout.gather(layer, [0, 3]) for layer in dst])
         assert torch.equal(back[0], k) and torch.equal(back[1], v)
 
 

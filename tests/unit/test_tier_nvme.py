@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import lmdb
 import numpy as np
@@ -157,27 +158,57 @@ def test_a_full_map_is_a_clear_error_and_everything_before_it_survives(tmp_path)
     tier.close()
 
 
-def test_an_overflowing_batch_stores_nothing_and_fails_alone(tmp_path, compression):
+def hold_writer(tier: NvmeTier, monkeypatch) -> threading.Event:
+    """Stop the writer thread in its next commit until the returned event is set, so that
+    writes made meanwhile queue up and are committed together (LMDB group commit)."""
+    release, held = threading.Event(), threading.Event()
+    commit = tier._commit
+
+    def held_commit(group):
+        if not held.is_set():
+            held.set()
+            release.wait(timeout=30)
+        commit(group)
+
+    monkeypatch.setattr(tier, "_commit", held_commit)
+    blocker = threading.Thread(target=tier.write, args=([record(50)],), daemon=True)
+    blocker.start()
+    assert held.wait(timeout=30)
+    return release
+
+
+def write_in_threads(tier: NvmeTier, batches: dict[str, list]) -> tuple[dict, list]:
+    """Start one ``tier.write`` per batch, each in its own thread, and wait until all of them
+    are queued behind the held writer; returns their outcomes (filled in as they finish)."""
+    results: dict[str, BaseException | None] = {}
+
+    def write(name: str, batch: list) -> None:
+        try:
+            tier.write(batch)
+            results[name] = None
+        except BaseException as exc:
+            results[name] = exc
+
+    threads = []
+    for name, batch in batches.items():
+        threads.append(threading.Thread(target=write, args=(name, batch), daemon=True))
+        threads[-1].start()
+        while tier._queue.qsize() < len(threads):
+            time.sleep(0.001)  # queued in order, so each may share the next transaction
+    return results, threads
+
+
+def test_an_overflowing_batch_stores_nothing_and_fails_alone(tmp_path, compression, monkeypatch):
     tier = NvmeTier(str(tmp_path / "db"), 2 << 20, compression=compression)
     tier.write([record(i, 64 << 10) for i in range(5)])
-    results: dict[str, BaseException | None] = {}
-    done = threading.Semaphore(0)
-
-    def on_done(name: str):
-        def cb(err: BaseException | None) -> None:
-            results[name] = err
-            done.release()
-
-        return cb
-
-    # Hold the writer in a callback so the next three queue up and share one transaction.
-    gate = threading.Event()
-    tier.write_async([record(50)], lambda err: gate.wait(timeout=30))
-    tier.write_async([record(100)], on_done("before"))
-    tier.write_async([record(200 + i, 64 << 10) for i in range(40)], on_done("huge"))
-    tier.write_async([record(300)], on_done("after"))
-    gate.set()
-    assert all(done.acquire(timeout=30) for _ in range(3))
+    release = hold_writer(tier, monkeypatch)
+    huge = [record(200 + i, 64 << 10) for i in range(40)]
+    results, threads = write_in_threads(
+        tier, {"before": [record(100)], "huge": huge, "after": [record(300)]}
+    )
+    release.set()
+    for t in threads:
+        t.join(timeout=30)
     assert results["before"] is None and results["after"] is None
     assert isinstance(results["huge"], TierFullError)
     assert tier.read([key(200 + i) for i in range(40)]) == [None] * 40
@@ -186,35 +217,21 @@ def test_an_overflowing_batch_stores_nothing_and_fails_alone(tmp_path, compressi
     tier.close()
 
 
-def test_write_async_reports_success_on_the_writer_thread(tmp_path):
-    tier = NvmeTier(str(tmp_path / "db"), MAP)
-    called = threading.Event()
-    seen: list[object] = []
-
-    def on_done(err: BaseException | None) -> None:
-        seen.append((err, threading.current_thread().name))
-        called.set()
-
-    tier.write_async([record(1)], on_done)
-    assert called.wait(timeout=30)
-    assert seen == [(None, "kvstore-nvme-writer")]
-    assert tier.read([key(1)]) == [record(1).payload]
-    tier.close()
-
-
-def test_close_commits_what_is_queued(tmp_path):
+def test_close_commits_what_is_queued(tmp_path, monkeypatch):
     path = str(tmp_path / "db")
     tier = NvmeTier(path, MAP, sync=True)
-    errors: list[BaseException | None] = []
-    for i in range(20):
-        tier.write_async([record(i)], errors.append)
+    release = hold_writer(tier, monkeypatch)
+    results, threads = write_in_threads(tier, {str(i): [record(i)] for i in range(20)})
+    release.set()
     tier.close()
     tier.close()
-    assert errors == [None] * 20
+    for t in threads:
+        t.join(timeout=30)
+    assert results == {str(i): None for i in range(20)}
     with pytest.raises(KVStoreError, match="closed"):
         tier.write([record(99)])
     tier = NvmeTier(path, MAP)
-    assert len(list(tier.scan())) == 20
+    assert len(list(tier.scan())) == 21  # and the write that held the writer
     tier.close()
 
 
