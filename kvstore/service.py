@@ -24,7 +24,8 @@ from kvstore.auth import Caller, Tenants, Unauthenticated, owns, shown_namespace
 from kvstore.explain import explain
 from kvstore.pb import SERVICE, pb
 from kvstore.quotas import QuotaExceeded, Quotas
-from kvstore.store import ShmRef, TieredStore
+from kvstore.reads import ShmRef
+from kvstore.store import TieredStore
 from kvstore.types import (
     ChunkRecord,
     InvalidArgument,
