@@ -9,7 +9,7 @@ request line
 ``{"tokens": [...], "logprobs": [...], "num_cached_tokens": n, "seconds": s}``.
 
 A request may also name a ``cache_salt`` and a ``lora`` adapter
-(``{"name", "id", "path"}``). ``{"batch": [request, ...], "max_tokens": n}``
+(``{"name", "id", "path"}``), and set ``ignore_eos``. ``{"batch": [request, ...], "max_tokens": n}``
 runs its requests concurrently in one ``generate`` and answers
 ``{"outputs": [answer, ...], "seconds": s}``; ``{"metrics": true}`` answers
 vLLM's counters as ``{"metrics": {name: value}}`` (the engine must be started
@@ -103,7 +103,12 @@ def main() -> int:
             say({"metrics": metrics(llm)})
             continue
         batch = req.get("batch", [req])
-        params = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 8), logprobs=0)
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=req.get("max_tokens", 8),
+            logprobs=0,
+            ignore_eos=req.get("ignore_eos", False),
+        )
         prompts, loras = zip(*(prompt_and_lora(r) for r in batch))
         lora = list(loras) if any(loras) else None
         outs = llm.generate(list(prompts), params, use_tqdm=False, lora_request=lora)

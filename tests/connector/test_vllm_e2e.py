@@ -42,9 +42,11 @@ PREFIX = 4 * CHUNK  # four chunks
 class Engine:
     """An engine process; ``generate`` sends one request and waits for its answer."""
 
-    def __init__(self, model: Path, connector: dict | None) -> None:
+    def __init__(self, model: Path, connector: dict | None, llm_kwargs: dict | None = None) -> None:
+        conn = json.dumps(connector) if connector else "none"
+        extra = [json.dumps(llm_kwargs)] if llm_kwargs else []
         self.proc = subprocess.Popen(
-            [sys.executable, DRIVER, str(model), json.dumps(connector) if connector else "none"],
+            [sys.executable, DRIVER, str(model), conn, *extra],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -74,10 +76,14 @@ class Engine:
     def ready(self, timeout: float = 300) -> dict:
         return self._reply(timeout)
 
-    def generate(self, prompt: list[int], max_tokens: int = 12) -> dict:
-        self.proc.stdin.write(json.dumps({"prompt": prompt, "max_tokens": max_tokens}) + "\n")
+    def generate(self, prompt: list[int], max_tokens: int = 12, **fields) -> dict:
+        """``fields``: the driver's other request fields (``cache_salt``, ``lora``, ...)."""
+        return self.ask({"prompt": prompt, "max_tokens": max_tokens, **fields})
+
+    def ask(self, request: dict, timeout: float = 120) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
-        return self._reply(120)
+        return self._reply(timeout)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -89,9 +95,11 @@ class Engine:
                 self.proc.wait()
 
 
-def start_engines(model: Path, connectors: list[dict | None]) -> list[Engine]:
+def start_engines(
+    model: Path, connectors: list[dict | None], llm_kwargs: dict | None = None
+) -> list[Engine]:
     """Start several engines at once (their start-up is mostly imports) and wait for all."""
-    engines = [Engine(model, c) for c in connectors]
+    engines = [Engine(model, c, llm_kwargs) for c in connectors]
     for e in engines:
         info = e.ready()
         assert "ready" in info, info

@@ -134,8 +134,10 @@ def build_lora_adapter(
     for layer in range(layers):
         for module, out_features in outs.items():
             prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
-            weights[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=g) * scale
-            weights[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=g) * scale
+            a = torch.randn(rank, hidden, generator=g)
+            b = torch.randn(out_features, rank, generator=g)
+            weights[f"{prefix}.lora_A.weight"] = a * scale
+            weights[f"{prefix}.lora_B.weight"] = b * scale
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(out / "adapter_model.safetensors"))
