@@ -22,6 +22,8 @@ class LoadSpec:
 
     Blocks before ``first_block`` already hold this request's KV (vLLM's own
     prefix cache) and are shared with other requests: they are never written.
+    ``block_ids`` may end inside the last chunk (vLLM took fewer external tokens
+    than offered): only the blocks listed are written.
     """
 
     req_id: str

@@ -37,7 +37,7 @@ class _Request:
     allocated: bool = False  # vLLM allocated blocks for load_tokens: load this step
     lease_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
-    saved: int = 0  # leading chunks stored or planned for saving
+    saved: int = 0  # leading chunks stored or planned for saving; -1: saving given up
 
 
 @dataclass
@@ -71,6 +71,7 @@ class SchedulerHalf:
         self._client = client
         self._reqs: dict[str, _Request] = {}
         self._pending: set[str] = set()  # requests with an allocated load not yet planned
+        self._logged: set[str] = set()
         self.counters = SchedulerCounters()
 
     @property
@@ -90,8 +91,19 @@ class SchedulerHalf:
         """Tokens beyond ``num_computed_tokens`` that the store can supply (whole chunks).
 
         Called for new requests and again for each resumption after a preemption;
-        a resumed request keeps its keys and what it already saved.
+        a resumed request keeps its keys and what it already saved. Never raises:
+        whatever goes wrong, the answer is 0 and vLLM computes.
         """
+        try:
+            return self._matched(request, num_computed_tokens)
+        except Exception as exc:
+            self._log_once("match", "kvstore: keying %s failed: %r", request.request_id, exc)
+            state = self._reqs.pop(request.request_id, None)
+            if state is not None:
+                self._release(state)
+            return 0
+
+    def _matched(self, request, num_computed_tokens: int) -> int:
         state = self._reqs.get(request.request_id)
         if state is None:
             why = unkeyable(request)
@@ -110,7 +122,8 @@ class SchedulerHalf:
         if not keys or not (self.load or self.save):
             return 0
         state.stored = self._lookup(state, keys, lease=self.load)
-        state.saved = max(state.saved, state.stored)
+        if state.saved >= 0:
+            state.saved = max(state.saved, state.stored)
         if not self.load:
             return 0
         usable = (num_tokens - 1) // self.config.chunk_tokens  # leave one token to compute
@@ -145,8 +158,7 @@ class SchedulerHalf:
                     break
         except Exception as exc:  # a store that is down or slow must never stop the engine
             self.counters.lookup_failures += 1
-            if self.counters.lookup_failures == 1:
-                log.warning("kvstore lookup failed, computing instead: %s", exc)
+            self._log_once("lookup", "kvstore lookup failed, computing instead: %s", exc)
             return 0
         return matched
 
@@ -225,9 +237,17 @@ class SchedulerHalf:
 
         Only tokens vLLM already knows count: a scheduled token past them (an
         unsampled placeholder, a speculative draft) has no KV worth keeping yet.
+        A request whose plan fails is not saved any more; the engine goes on.
         """
-        if not self.save:
+        if not self.save or state.saved < 0:
             return
+        try:
+            self._plan_save_chunks(req_id, state, computed, out, meta)
+        except Exception as exc:
+            self._log_once("plan", "kvstore: planning saves for %s failed: %r", req_id, exc)
+            state.saved = -1
+
+    def _plan_save_chunks(self, req_id: str, state: _Request, computed: int, out, meta) -> None:
         done = min(computed + out.num_scheduled_tokens.get(req_id, 0), state.chain.num_tokens)
         if not self.config.save_generated:
             done = min(done, len(state.chain.request.prompt_token_ids or []))
@@ -258,6 +278,11 @@ class SchedulerHalf:
             with contextlib.suppress(Exception):  # otherwise the lease simply expires
                 self.client.release(lease_id)
         state.lease_ids.clear()
+
+    def _log_once(self, kind: str, msg: str, *args) -> None:
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning(msg + " (logged once; see the connector's counters)", *args)
 
     def close(self) -> None:
         if self._client is not None:

@@ -148,6 +148,36 @@ def test_a_resumption_vllm_gives_no_external_tokens_loads_nothing(store_address)
     sched.close()
 
 
+def test_vllm_taking_fewer_external_tokens_than_offered_loads_only_those_blocks(store_address):
+    src = paged_cache(seed=5)
+    prompt = list(range(40, 40 + 2 * CHUNK + 1))
+    store_chunks(store_address, prompt, src)
+    sched = SchedulerHalf(config(store_address), NS, BLOCK)
+    req = request("r", prompt)
+    assert sched.matched_tokens(req, 0) == 2 * CHUNK
+    sched.after_alloc(req, 3 * BLOCK)  # vLLM trimmed the hit to three blocks
+    meta = sched.build_meta(step(new=[(req, [9, 8, 7, 6, 5], 3 * BLOCK)], scheduled={"r": 33}))
+    assert [(ld.block_ids, ld.first_block) for ld in meta.loads] == [([9, 8, 7], 0)]
+    dst = paged_cache(seed=6)
+    untouched = {n: t[6].clone() for n, t in dst.items()}
+    loader = worker(store_address, dst)
+    loader.load(meta)
+    assert loader.load_errors() == set()
+    assert same_blocks(src, [0, 1, 2], dst, [9, 8, 7])
+    assert all(torch.equal(dst[n][6], untouched[n]) for n in dst)
+    loader.close()
+    sched.close()
+
+
+def test_a_request_that_cannot_be_keyed_is_computed_and_never_raises(store_address):
+    sched = SchedulerHalf(config(store_address), NS, BLOCK)
+    req = request("bad", [2**33] * (2 * CHUNK + 1))  # not a uint32 token id
+    assert sched.matched_tokens(req, 0) == 0
+    meta = sched.build_meta(step(new=[(req, list(range(5)), 0)], scheduled={"bad": 2 * CHUNK}))
+    assert meta.loads == [] and meta.saves == []
+    sched.close()
+
+
 # ---- per-request isolation ------------------------------------------------------------
 
 
