@@ -89,7 +89,7 @@ class WorkerHalf:
         self._errors: set[int] = set()
         self._queue: queue.Queue = queue.Queue(maxsize=config.save_queue_depth)
         self._sender: threading.Thread | None = None
-        self._idle = threading.Condition()  # guards the three fields below
+        self._idle = threading.Condition()  # guards the fields below and the save counters
         self._pending = 0  # steps queued or being sent
         self._queued_bytes = 0
         self._ended: set[str] = set()  # requests whose chain ended: gather nothing more
