@@ -99,6 +99,12 @@ def _encoded(batches: list[list[ChunkRecord]]) -> Iterator[bytes]:
     return (wire.encode_put_request(batch) for batch in batches)
 
 
+def _lookup_result(resp: pb.LookupResponse) -> LookupResult:
+    return LookupResult(
+        resp.matched, list(resp.tiers), resp.lease_id or None, resp.pending, resp.reserved
+    )
+
+
 def _put_result(resp: pb.PutResponse) -> PutResult:
     return PutResult(resp.stored, resp.duplicates, [(r.key, r.reason) for r in resp.rejected])
 
@@ -165,12 +171,23 @@ class KVStoreClient:
                 time.sleep(pause)
 
     def lookup(
-        self, keys: Sequence[bytes], lease_ttl_s: float = 0.0, timeout_s: float | None = None
+        self,
+        keys: Sequence[bytes],
+        lease_ttl_s: float = 0.0,
+        timeout_s: float | None = None,
+        *,
+        reserve_ttl_s: float = 0.0,
+        holder: str = "",
     ) -> LookupResult:
-        req = pb.LookupRequest(keys=keys, lease_ttl_s=lease_ttl_s)
+        """The stored prefix; with ``reserve_ttl_s``, single-flight: the missing rest is
+        reserved to ``holder`` (``reserved``) unless another producer is computing it
+        (``pending``: wait for its puts)."""
+        req = pb.LookupRequest(
+            keys=keys, lease_ttl_s=lease_ttl_s, reserve_ttl_s=reserve_ttl_s, holder=holder
+        )
         # a retried leased lookup could leave a second lease behind; it just expires
         resp = self._call("Lookup", self._lookup, req, timeout_s=timeout_s)
-        return LookupResult(resp.matched, list(resp.tiers), resp.lease_id or None)
+        return _lookup_result(resp)
 
     def get(
         self, keys: Sequence[bytes], *, shm: bool = False, timeout_s: float | None = None
@@ -368,7 +385,7 @@ class AsyncKVStoreClient:
     ) -> LookupResult:
         req = pb.LookupRequest(keys=keys, lease_ttl_s=lease_ttl_s)
         resp = await self._call("Lookup", lambda t: self._lookup(req, timeout=t), timeout_s)
-        return LookupResult(resp.matched, list(resp.tiers), resp.lease_id or None)
+        return _lookup_result(resp)
 
     async def get(self, keys: Sequence[bytes], timeout_s: float | None = None) -> list[memoryview]:
         req = pb.GetRequest(keys=keys)

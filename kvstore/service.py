@@ -112,6 +112,22 @@ class KVStoreService:
             )
         return keys
 
+    def _reserve_ttl(self, request) -> float:
+        ttl = request.reserve_ttl_s
+        if not (0 < ttl <= self.limits.max_lease_ttl_s):  # also refuses NaN
+            raise _Abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"reserve_ttl_s must be in (0, {self.limits.max_lease_ttl_s}], got {ttl}",
+                "bad_ttl",
+            )
+        if len(request.holder) > 256:
+            raise _Abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "holder must be at most 256 bytes",
+                "invalid_argument",
+            )
+        return ttl
+
     def _ttl(self, ttl: float) -> float | None:
         # NaN passes both range checks below; a NaN expiry never comes, and at the top of
         # the lease heap it would keep every later lease from expiring too
@@ -216,11 +232,18 @@ class KVStoreService:
             ttl = self._ttl(request.lease_ttl_s)
             if ttl:
                 self.quotas.check_leases(caller.client)
-            res = self.store.lookup(self._keys(request.keys), ttl, owner=caller.tag)
+            reserve = None
+            if request.reserve_ttl_s:
+                reserve = (request.holder or caller.client, self._reserve_ttl(request))
+            res = self.store.lookup(self._keys(request.keys), ttl, caller.tag, reserve)
             if res.lease_id:
                 self.quotas.lease_taken(caller.client, res.lease_id, ttl)
             return pb.LookupResponse(
-                matched=res.matched, tiers=res.tiers, lease_id=res.lease_id or 0
+                matched=res.matched,
+                tiers=res.tiers,
+                lease_id=res.lease_id or 0,
+                pending=res.pending,
+                reserved=res.reserved,
             )
 
         return self._call("Lookup", context, run)
@@ -405,6 +428,7 @@ class KVStoreService:
                 rejected=s.rejected,
                 active_leases=s.active_leases,
                 expired_leases=s.expired_leases,
+                reservations=s.reservations,
                 namespaces=s.namespaces,
                 write_policy=s.write_policy,
                 version=__version__,

@@ -34,5 +34,6 @@ class StoreStats:
     rejected: dict[str, int] = field(default_factory=dict)
     active_leases: int = 0
     expired_leases: int = 0
+    reservations: int = 0  # chunks reserved to a producer (single-flight prefill)
     namespaces: dict[str, int] = field(default_factory=dict)
     write_policy: str = ""

@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from kvstore.index import Node, RadixIndex, TierSpec
+from kvstore.index.reservations import Reservations
 from kvstore.mover import Mover
 from kvstore.payload import parse_payload
 from kvstore.reads import ReadPaths, check_keys, owned_chain
@@ -82,6 +83,7 @@ class TieredStore(ReadPaths):
         self.last = len(tiers) - 1
         self._persist = tiers[-1].persistent and len(tiers) > 1 and write_policy != "none"
         self._lock = threading.RLock()  # the index: bookkeeping only
+        self._reservations = Reservations(**kwargs)
         self._wlock = threading.Lock()  # one writer moves bytes at a time
         self._tstats = [TierStats(t.name, t.capacity_bytes) for t in tiers]
         self._mover = Mover(self.index, self.tiers, self._tstats, self._lock)
@@ -178,6 +180,7 @@ class TieredStore(ReadPaths):
             with self._lock:
                 self._stats.put_chunks += stored
                 self._stats.put_duplicates += dups
+                self._reservations.stored(r.key for r in records)
         if full is not None and stored == 0 and dups == 0:
             raise full
         return PutResult(stored, dups, rejected)
@@ -252,11 +255,14 @@ class TieredStore(ReadPaths):
         keys: Sequence[ChunkKey],
         lease_ttl_s: float | None = None,
         owner: bytes | None = None,
+        reserve: tuple[str, float] | None = None,
     ) -> LookupResult:
         """Longest stored prefix of ``keys``; with a ttl, a lease keeps it from eviction.
 
         With ``owner`` (a tenant's namespace tag, here and below), chains in other
-        tenants' namespaces read as misses.
+        tenants' namespaces read as misses. With ``reserve`` (holder, ttl), the
+        missing rest is reserved to the holder unless another producer's
+        reservation leads it (then it is reported pending: single-flight prefill).
         """
         check_keys(keys)
         with self._lock:
@@ -268,7 +274,13 @@ class TieredStore(ReadPaths):
             self._stats.lookups += 1
             self._stats.lookup_keys += len(keys)
             self._stats.lookup_hit_keys += len(nodes)
-        return LookupResult(len(nodes), names, lease_id)
+            pending = reserved = 0
+            if reserve is not None and len(nodes) < len(keys):
+                if owner is not None:  # reservations are per tenant, like the chunks
+                    reserve = (owner.hex() + "/" + reserve[0], reserve[1])
+                rest = keys[len(nodes) :]
+                pending, reserved = self._reservations.claim(rest, *reserve)
+        return LookupResult(len(nodes), names, lease_id, pending, reserved)
 
     def lease_expired(self, lease_id: int) -> bool:
         with self._lock:
@@ -317,6 +329,7 @@ class TieredStore(ReadPaths):
             s = self._stats
             s.chunks = len(self.index)
             s.active_leases = self.index.active_leases
+            s.reservations = self._reservations.active
             s.expired_leases = len(self.index.expired_leases)
             s.namespaces = {ns.hex(): n for ns, n in self.index.namespaces().items()}
             return copy.deepcopy(s)

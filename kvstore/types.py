@@ -77,6 +77,8 @@ class LookupResult:
     matched: int
     tiers: list[str]
     lease_id: int | None = None
+    pending: int = 0  # missing chunks another producer is computing (wait for them)
+    reserved: int = 0  # missing chunks now reserved to the caller (compute and put them)
 
 
 @dataclass(frozen=True, slots=True)
