@@ -189,6 +189,8 @@ def cmd_serve(args) -> int:
 def cmd_stats(args) -> int:
     if args.count is not None and (args.watch is None or args.count < 1):
         raise KVStoreError("--count N needs --watch and N >= 1")
+    if "," in args.address or args.address.startswith("dns:"):
+        return _shard_stats(args)
     with _client(args) as client:
         if args.watch is not None:
             return _watch(client, args)
@@ -198,6 +200,38 @@ def cmd_stats(args) -> int:
     else:
         print(format_stats(resp, args.address))
     return 0
+
+
+def _shard_stats(args) -> int:
+    """Every shard of a sharded deployment (``--address a:1,b:2`` or ``dns:NAME:PORT``)."""
+    from kvstore.client import ClientOptions
+    from kvstore.shards import ShardedClient
+    from kvstore.tls import ClientAuth
+
+    if args.watch is not None:
+        raise KVStoreError("--watch takes one store; name one shard's address")
+    auth = ClientAuth.from_env().with_files(
+        ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key, token_file=args.token_file
+    )
+    opts = ClientOptions(timeout_s=args.timeout, retries=1, auth=auth)
+    with ShardedClient(args.address, opts) as shards:
+        answers = shards.stats()
+    down = 0
+    for target, resp in answers:
+        if isinstance(resp, KVStoreError):
+            down += 1
+            print(
+                json.dumps({"shard": target, "error": str(resp)})
+                if args.json
+                else f"{target}: DOWN ({resp})\n"
+            )
+        elif args.json:
+            print(json.dumps({"shard": target, **stats_dict(resp)}, sort_keys=True))
+        else:
+            print(format_stats(resp, target) + "\n")
+    if not args.json:
+        print(f"{len(answers) - down} of {len(answers)} shards up")
+    return 1 if down else 0
 
 
 def _watch(client, args) -> int:

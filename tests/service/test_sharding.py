@@ -1,0 +1,62 @@
+"""Three real `kvstore serve` shards behind one ShardedClient: chains spread over all of
+them, a lookup asks only its chain's shard, a killed shard turns its chains into misses
+(no errors, no hangs) while the others keep hitting, and `kvstore stats` shows every
+shard."""
+
+from __future__ import annotations
+
+import subprocess
+
+from kvstore.client import ClientOptions
+from kvstore.shards import ShardedClient
+from kvstore.tiers.shm_region import reclaim_stale
+from tests.chunks import chain, keys_of, payloads_of
+from tests.procs import KVSTORE, Served, store_config
+
+
+def test_three_shards_spread_chains_and_survive_losing_one(tmp_path):
+    shards = []
+    for i in range(3):
+        cfg = store_config(tmp_path / f"s{i}.yaml", tmp_path / f"lmdb{i}", dram="16MiB")
+        shards.append(Served([KVSTORE, "serve", "--config", str(cfg)]))
+    try:
+        spec = ",".join(s.address for s in shards)
+        chains = [chain(2, seed=100 + i) for i in range(30)]
+        with ShardedClient(spec, ClientOptions(timeout_s=2.0, retries=0)) as client:
+            result = client.put([r for c in chains for r in c])
+            assert (result.stored, result.rejected) == (60, [])
+            per_shard = [s.chunks for _, s in client.stats()]
+            assert sum(per_shard) == 60 and all(n >= 6 for n in per_shard), per_shard
+            for c in chains:  # each chain whole on exactly one shard
+                assert client.lookup(keys_of(c)).matched == 2
+                assert [bytes(p) for p in client.get(keys_of(c))] == payloads_of(c)
+                homes = [s.lookup(keys_of(c)).matched for s in client.shards]
+                assert sorted(homes) == [0, 0, 2]
+
+            done = subprocess.run(
+                [KVSTORE, "stats", "--address", spec], capture_output=True, text=True, timeout=60
+            )
+            assert done.returncode == 0 and "3 of 3 shards up" in done.stdout
+
+            shards[1].kill()
+            lost = [c for c in chains if client.shard_of(c[0].key) == 1]
+            kept = [c for c in chains if client.shard_of(c[0].key) != 1]
+            assert lost and kept
+            for c in lost:  # misses, not errors
+                assert client.lookup(keys_of(c)).matched == 0
+                assert client.get(keys_of(c)) == []
+            for c in kept:
+                assert client.lookup(keys_of(c)).matched == 2
+            new = chain(2, seed=999)
+            res = client.put(new)
+            assert res.stored + len(res.rejected) == 2  # stored, or refused as unavailable
+            done = subprocess.run(
+                [KVSTORE, "stats", "--address", spec], capture_output=True, text=True, timeout=60
+            )
+            assert done.returncode == 1 and "2 of 3 shards up" in done.stdout
+            assert f"{shards[1].address}: DOWN" in done.stdout
+    finally:
+        for s in shards:
+            if s.proc.poll() is None:
+                s.stop()
+        reclaim_stale()  # the killed shard's shared memory, as its restart would
