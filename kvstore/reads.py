@@ -113,14 +113,15 @@ class ReadPaths:
         *,
         views: bool = False,
         owner: bytes | None = None,
-    ) -> tuple[int | None, list[ShmRef | memoryview | bytes | bytearray]]:
+    ) -> tuple[int | None, list[ShmRef | memoryview | bytes | bytearray | None]]:
         """For same-host readers: the longest stored prefix under a new lease.
 
         Chunks the shared-memory tier holds in one piece come back as ``ShmRef``
-        (valid while the lease lasts); others as bytes, which are then promoted.
-        With ``views`` the former come back as read-only views of their bytes,
-        equally valid while the lease lasts: the service streams them out with no
-        copy of its own.
+        (valid while the lease lasts); the others as ``None``, unread: the reader
+        fetches them over the wire (reading them here too would read them twice).
+        With ``views`` every chunk comes back as bytes: shared-memory ones as
+        read-only views, equally valid while the lease lasts (the service streams
+        them out with no copy of its own), the rest read and then promoted.
         """
         check_keys(keys)
         shm_tier = next(
@@ -149,7 +150,7 @@ class ReadPaths:
                     refs.append(ShmRef(tier.region_name, handle[0], handle[1]))
                 self._count_hit(shm_tier, handle[1])
         missing = [i for i, ref in enumerate(refs) if ref is None]
-        if missing:
+        if missing and views:
             payloads = self.get([n.key for n in nodes[: missing[-1] + 1]], owner)
             for i in missing:
                 if i >= len(payloads):

@@ -80,9 +80,16 @@ def test_chunks_only_lmdb_holds_come_back_as_bytes_in_shm_mode(
     assert second.store.stats().active_leases == 0  # no handle, so no lease left behind
 
     with KVStoreClient(second.address) as c:
-        # the first read promoted them, so now they come as handles; bytes are the same
+        # GetShm read nothing it could not hand out (the client fetches those over Get,
+        # which reads them once and promotes them)
+        assert c.lookup(keys_of(records)).tiers == ["nvme"] * 3
+        assert second.store.stats().tiers[1].hits == 0
+        assert [bytes(p) for p in c.get(keys_of(records), shm=True)] == payloads_of(records)
+        assert second.store.stats().tiers[1].hits == 3
+        # promoted by that read, so now they come as handles; bytes are the same
         assert c.lookup(keys_of(records)).tiers == ["dram"] * 3
         assert [bytes(p) for p in c.get(keys_of(records), shm=True)] == payloads_of(records)
+        assert c.shm_stats.chunks == 3
         # no lease is left behind by either read
         assert c.stats().active_leases == 0
 
