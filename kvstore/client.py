@@ -135,6 +135,14 @@ class KVStoreClient:
             _method("GetShm"), pb.GetShmRequest.SerializeToString, pb.ShmBatch.FromString
         )
         self._put = ch.stream_unary(_method("Put"), None, pb.PutResponse.FromString)
+        self._reserve_shm = ch.unary_unary(
+            _method("ReserveShm"),
+            pb.ReserveShmRequest.SerializeToString,
+            pb.ShmReservation.FromString,
+        )
+        self._commit_shm = ch.unary_unary(
+            _method("CommitShm"), pb.CommitShmRequest.SerializeToString, pb.PutResponse.FromString
+        )
         self._release = ch.unary_unary(
             _method("Release"), pb.ReleaseRequest.SerializeToString, pb.ReleaseResponse.FromString
         )
@@ -281,7 +289,15 @@ class KVStoreClient:
 
         return self._shm_copy(keys[: len(copiers)], copy, timeout_s)
 
-    def put(self, records: Sequence[ChunkRecord], timeout_s: float | None = None) -> PutResult:
+    def put(
+        self, records: Sequence[ChunkRecord], timeout_s: float | None = None, *, shm: bool = False
+    ) -> PutResult:
+        """Store chunks, parents first. With ``shm`` (same host only) the payloads are
+        copied straight into the store's shared memory (``kvstore.shm_writer``)."""
+        if shm:
+            from kvstore.shm_writer import put_same_host
+
+            return put_same_host(self, records, timeout_s)
         batches = _batches(records, self.options.put_batch_bytes)
         # Put is idempotent (a stored key is a duplicate), so a retry re-sends all batches.
         resp = self._call(

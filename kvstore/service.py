@@ -385,6 +385,56 @@ class KVStoreService:
             for r in records
         ]
 
+    def ReserveShm(self, request, context):
+        def run(caller: Caller):
+            self._shm_allowed(context)
+            chunks = [
+                (bytes(c.key), bytes(c.parent) or None, bytes(c.namespace), c.length)
+                for c in request.chunks
+            ]
+            self._keys([c[0] for c in chunks])
+            chunks = [
+                (k, p, tag_namespace(caller, ns) if p is None and len(ns) == 32 else ns, n)
+                for k, p, ns, n in chunks
+            ]
+            ttl = self._ttl(request.ttl_s) or self.limits.default_lease_ttl_s
+            ticket, refs, stored = self.store.reserve_shm(chunks, ttl, owner=caller.tag)
+            handles = [
+                pb.ShmHandle(region=r.region, offset=r.offset, length=r.length)
+                if r is not None
+                else pb.ShmHandle()
+                for r in refs
+            ]
+            return pb.ShmReservation(ticket=ticket or 0, handles=handles, stored=stored)
+
+        return self._call("ReserveShm", context, run)
+
+    def CommitShm(self, request, context):
+        def run(caller: Caller):
+            self._shm_allowed(context)
+            result = self.store.commit_shm(request.ticket, owner=caller.tag)
+            return pb.PutResponse(
+                stored=result.stored,
+                duplicates=result.duplicates,
+                rejected=[pb.Rejected(key=k, reason=r) for k, r in result.rejected],
+            )
+
+        return self._call("CommitShm", context, run)
+
+    def _shm_allowed(self, context) -> None:
+        if not self.limits.shm:
+            raise _Abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this server does not offer shared memory (server.shm=false); use Put",
+                "shm_disabled",
+            )
+        if not _is_local(context.peer()):
+            raise _Abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "shared memory is only for clients on the store's own host",
+                "shm_not_local",
+            )
+
     def Release(self, request, context):
         def run(caller: Caller):
             self.store.release(request.lease_id)
@@ -509,6 +559,8 @@ def generic_handler(service: KVStoreService) -> grpc.GenericRpcHandler:
             response_serializer=_serialize,
         ),
         "GetShm": unary(service.GetShm, pb.GetShmRequest),
+        "ReserveShm": unary(service.ReserveShm, pb.ReserveShmRequest),
+        "CommitShm": unary(service.CommitShm, pb.CommitShmRequest),
         "Release": unary(service.Release, pb.ReleaseRequest),
         "Delete": unary(service.Delete, pb.DeleteRequest),
         "Stats": unary(service.Stats, pb.StatsRequest),

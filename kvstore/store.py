@@ -2,7 +2,8 @@
 
 Offers ``put``, ``lookup`` (optionally with a lease), ``release``, ``delete``,
 ``delete_namespace``, ``stats``, ``flush`` and ``close``; the reads (``get``,
-``get_shm``, ``peek``) come from ``kvstore.reads``.
+``get_shm``, ``peek``) come from ``kvstore.reads``, same-host puts
+(``reserve_shm``, ``commit_shm``) from ``kvstore.shm_puts``.
 
 Writes land in the top tier and, under ``write_through``, also in the last
 persistent tier before ``put`` returns; ``write_back`` persists only on
@@ -31,6 +32,7 @@ from kvstore.index.reservations import Reservations
 from kvstore.mover import Mover
 from kvstore.payload import parse_payload
 from kvstore.reads import ReadPaths, check_keys, owned_chain
+from kvstore.shm_puts import SameHostPuts
 from kvstore.stats import StoreStats, TierStats
 from kvstore.tiers.base import Tier
 from kvstore.types import (
@@ -50,7 +52,7 @@ log = logging.getLogger(__name__)
 WRITE_POLICIES = ("write_through", "write_back", "none")
 
 
-class TieredStore(ReadPaths):
+class TieredStore(ReadPaths, SameHostPuts):
     def __init__(
         self,
         tiers: Sequence[Tier],
@@ -84,6 +86,7 @@ class TieredStore(ReadPaths):
         self._persist = tiers[-1].persistent and len(tiers) > 1 and write_policy != "none"
         self._lock = threading.RLock()  # the index: bookkeeping only
         self._reservations = Reservations(**kwargs)
+        self._shm_puts_init()
         self._wlock = threading.Lock()  # one writer moves bytes at a time
         self._tstats = [TierStats(t.name, t.capacity_bytes) for t in tiers]
         self._mover = Mover(self.index, self.tiers, self._tstats, self._lock)
@@ -133,6 +136,8 @@ class TieredStore(ReadPaths):
         new: list[ChunkRecord] = []
         full: TierFullError | None = None
         with self._wlock:
+            if self._tickets:
+                self._lapse_tickets()
             with self._lock:
                 self._expire()
                 self._stats.puts += 1

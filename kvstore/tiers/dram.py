@@ -1,7 +1,8 @@
 """Host DRAM tier: one shared-memory region (``/dev/shm``) shared by chunks of any size.
 
 Offers ``DramTier`` (the ``Tier`` interface plus ``read_into``, ``slot_handle``,
-``region_name``). Space is handed out by an ``ExtentTable``: each chunk takes its
+``region_name``, and ``stage``/``staged_view``/``unstage`` for same-host writers).
+Space is handed out by an ``ExtentTable``: each chunk takes its
 16-byte key and its payload, rounded up to 512 B, so ``cost(n)`` is that, and
 one region serves every chunk size and namespace at once.
 
@@ -39,18 +40,58 @@ class DramTier(ExtentTierOps):
         reclaim_stale()
         self._region = ShmRegion(self.capacity_bytes, region_name)
         self.region_name = self._region.name
+        self._staged: dict[ChunkKey, Allocation] = {}  # room given to same-host writers
         self._arr: np.ndarray | None = np.frombuffer(self._region.mmap, dtype=np.uint8)
         # Touch every page now so the first writes run at copy speed, not fault speed.
         self._arr.fill(0)
 
+    def stage(self, key: ChunkKey, nbytes: int) -> tuple[int, int] | None:
+        """Room for a same-host writer to fill: ``(payload offset, length)`` in the region,
+        with the key already written before it; None when no single extent holds it.
+
+        The room is nobody's chunk until ``write`` is given a record with that key whose
+        payload is exactly that room (then it is published without a copy), and is
+        given back by ``unstage``. ``TierFullError`` when the free bytes do not suffice.
+        """
+        arr = self._live()
+        alloc = self._table.reserve(check_key(key), nbytes)
+        if alloc is None or not alloc.contiguous:
+            if alloc is not None:
+                self._table.abort(alloc)
+            return None
+        at = alloc.pieces[0][0]
+        arr[at : at + KEY_BYTES] = np.frombuffer(alloc.key, dtype=np.uint8)
+        self._staged[key] = alloc
+        return alloc.payload_offset, alloc.length
+
+    def staged_view(self, key: ChunkKey) -> memoryview | None:
+        """The room ``stage`` gave for ``key``, as the writer filled it."""
+        alloc = self._staged.get(key)
+        if alloc is None:
+            return None
+        off = alloc.payload_offset
+        return self._live().data[off : off + alloc.length]
+
+    def unstage(self, keys: Sequence[ChunkKey]) -> None:
+        """Give back staged room that was not published."""
+        for key in keys:
+            alloc = self._staged.pop(key, None)
+            if alloc is not None:
+                self._table.abort(alloc)
+
     def write(self, records: Sequence[ChunkRecord]) -> None:
         """Store a batch, all or nothing: ``TierFullError`` if the free bytes do not suffice.
 
-        A key stored already keeps its bytes (the key names the content).
+        A key stored already keeps its bytes (the key names the content). A record
+        whose payload is the room ``stage`` gave its key is published in place.
         """
         arr = self._live()
         latest = {check_key(r.key): as_u8(r.payload) for r in records}
         allocs: list[tuple[Allocation, np.ndarray]] = []
+        in_place = [k for k, src in latest.items() if self._is_staged_room(k, src)]
+        for key in in_place:
+            self._table.commit(self._staged.pop(key))
+            del latest[key]
         try:
             for key, src in latest.items():
                 alloc = self._table.reserve(key, src.nbytes)
@@ -73,6 +114,14 @@ class DramTier(ExtentTierOps):
         for off, n in alloc.payload_spans():
             np.copyto(arr[off : off + n], src[done : done + n])
             done += n
+
+    def _is_staged_room(self, key: ChunkKey, src: np.ndarray) -> bool:
+        alloc = self._staged.get(key)
+        return (
+            alloc is not None
+            and src.nbytes == alloc.length
+            and src.ctypes.data == self._live().ctypes.data + alloc.payload_offset
+        )
 
     def read(self, keys: Sequence[ChunkKey]) -> list[memoryview | bytearray | None]:
         """Zero-copy, read-only views (copies for split chunks); valid until deleted."""

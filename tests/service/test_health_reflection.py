@@ -67,6 +67,8 @@ def test_reflection_lists_the_services_and_describes_kvstore(served):
             "Get",
             "GetShm",
             "Put",
+            "ReserveShm",
+            "CommitShm",
             "Release",
             "Delete",
             "Stats",

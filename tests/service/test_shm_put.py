@@ -1,0 +1,93 @@
+"""Same-host puts: the client copies each payload straight into the store's shared
+memory and commits; the commit validates exactly like Put, and room never committed
+lapses. Real server on loopback, real shared memory, real LMDB."""
+
+from __future__ import annotations
+
+import time
+
+from kvstore.client import KVStoreClient
+from kvstore.pb import pb
+from kvstore.types import ChunkRecord
+from tests.chunks import CHUNK_COST, chain
+from tests.service.conftest import keys_of, payloads_of
+
+
+def test_a_same_host_put_lands_in_dram_and_lmdb_byte_for_byte(client, served):
+    records = chain(4, seed=30)
+    result = client.put(records, shm=True)
+    assert (result.stored, result.duplicates, result.rejected) == (4, 0, [])
+    assert client.lookup(keys_of(records)).tiers == ["dram"] * 4
+    assert [bytes(p) for p in client.get(keys_of(records))] == payloads_of(records)
+    stats = client.stats()
+    assert stats.tiers[1].chunks == 4  # written through, as any put
+    assert stats.put_chunks == 4
+    again = client.put(records, shm=True)  # held already: nothing is sent or written
+    assert (again.stored, again.duplicates) == (0, 4)
+
+
+def test_a_corrupt_payload_written_in_place_is_rejected_and_its_room_given_back(served, raw_stub):
+    dram = served.store.tiers[0]
+    free = dram.free_bytes
+    (rec,) = chain(1, seed=31)
+    stub = raw_stub(served.address)
+    channel_stub = stub.channel.unary_unary(
+        "/kvstore.v1.KVStore/ReserveShm",
+        pb.ReserveShmRequest.SerializeToString,
+        pb.ShmReservation.FromString,
+    )
+    grant = channel_stub(
+        pb.ReserveShmRequest(
+            chunks=[pb.ShmPutChunk(key=rec.key, namespace=rec.ns, length=len(rec.payload))]
+        )
+    )
+    (handle,) = grant.handles
+    assert handle.region == dram.region_name and dram.free_bytes == free - CHUNK_COST
+    garbled = bytearray(rec.payload)
+    garbled[-1] ^= 0xFF  # the checksum will not match
+    with open(f"/dev/shm/{handle.region}", "r+b") as f:
+        f.seek(handle.offset)
+        f.write(garbled)
+    commit = stub.channel.unary_unary(
+        "/kvstore.v1.KVStore/CommitShm",
+        pb.CommitShmRequest.SerializeToString,
+        pb.PutResponse.FromString,
+    )
+    resp = commit(pb.CommitShmRequest(ticket=grant.ticket))
+    assert resp.stored == 0 and "checksum" in resp.rejected[0].reason
+    assert dram.free_bytes == free  # the room came back
+    with KVStoreClient(served.address) as c:
+        assert c.lookup([rec.key]).matched == 0
+
+
+def test_room_never_committed_lapses(serve, open_store):
+    served = serve(open_store())
+    dram = served.store.tiers[0]
+    free = dram.free_bytes
+    records = chain(2, seed=32)
+    ticket, refs, _ = served.store.reserve_shm(
+        [(r.key, r.parent, r.ns, len(r.payload)) for r in records], ttl_s=0.05
+    )
+    assert ticket and all(refs) and dram.free_bytes < free
+    time.sleep(0.1)
+    # the next writer gives the lapsed room back before making its own
+    with KVStoreClient(served.address) as c:
+        assert c.put(chain(1, seed=33)).stored == 1
+    assert dram.free_bytes == free - CHUNK_COST
+    assert served.store.index.used[0] == CHUNK_COST
+
+
+def test_chunks_without_room_go_over_put(serve, open_store):
+    served = serve(open_store(dram_slots=2))
+    records = chain(5, seed=34)
+    with KVStoreClient(served.address) as c:
+        result = c.put(records, shm=True)
+        assert (result.stored, result.rejected) == (5, [])
+        assert [bytes(p) for p in c.get(keys_of(records))] == payloads_of(records)
+
+
+def test_a_record_that_does_not_match_its_room_is_sent_over_put(client):
+    (rec,) = chain(1, seed=35)
+    short = ChunkRecord(rec.key, None, rec.ns, rec.payload)
+    assert client.put([short], shm=True).stored == 1
+    assert [bytes(p) for p in client.get([rec.key])] == [rec.payload]
