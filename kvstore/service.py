@@ -270,18 +270,7 @@ class KVStoreService:
         """All handles in one message: a streamed message each costs more than its copy."""
 
         def run(caller: Caller):
-            if not self.limits.shm:
-                raise _Abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    "this server does not offer shared memory (server.shm=false); use Get",
-                    "shm_disabled",
-                )
-            if not _is_local(context.peer()):
-                raise _Abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    "shared memory is only for clients on the store's own host; use Get",
-                    "shm_not_local",
-                )
+            self._shm_allowed(context, instead="Get")
             keys = self._keys(request.keys)
             ttl = self._ttl(request.lease_ttl_s) or self.limits.default_lease_ttl_s
             self.quotas.check_leases(caller.client)
@@ -387,7 +376,7 @@ class KVStoreService:
 
     def ReserveShm(self, request, context):
         def run(caller: Caller):
-            self._shm_allowed(context)
+            self._shm_allowed(context, instead="Put")
             chunks = [
                 (bytes(c.key), bytes(c.parent) or None, bytes(c.namespace), c.length)
                 for c in request.chunks
@@ -411,7 +400,7 @@ class KVStoreService:
 
     def CommitShm(self, request, context):
         def run(caller: Caller):
-            self._shm_allowed(context)
+            self._shm_allowed(context, instead="Put")
             result = self.store.commit_shm(request.ticket, owner=caller.tag)
             return pb.PutResponse(
                 stored=result.stored,
@@ -421,17 +410,17 @@ class KVStoreService:
 
         return self._call("CommitShm", context, run)
 
-    def _shm_allowed(self, context) -> None:
+    def _shm_allowed(self, context, instead: str) -> None:
         if not self.limits.shm:
             raise _Abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                "this server does not offer shared memory (server.shm=false); use Put",
+                f"this server does not offer shared memory (server.shm=false); use {instead}",
                 "shm_disabled",
             )
         if not _is_local(context.peer()):
             raise _Abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                "shared memory is only for clients on the store's own host",
+                f"shared memory is only for clients on the store's own host; use {instead}",
                 "shm_not_local",
             )
 
