@@ -319,15 +319,18 @@ def cmd_keys(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from kvstore.config_cli import add_cli_flags
-
+def build_parser(serve_flags: bool = True) -> argparse.ArgumentParser:
+    """The parser; without ``serve_flags``, ``serve`` lacks its config flags, and the
+    config (with pydantic and the store, ~0.1 s of imports) is never loaded."""
     parser = argparse.ArgumentParser(prog="kvstore", description="Tiered KV-cache block store")
     parser.add_argument("--version", action="version", version=f"kvstore {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the store (gRPC + /metrics)")
-    add_cli_flags(serve)
+    if serve_flags:
+        from kvstore.config_cli import add_cli_flags
+
+        add_cli_flags(serve)
     serve.add_argument("--print-config", action="store_true", help="print the merged config")
     serve.set_defaults(fn=cmd_serve)
 
@@ -382,7 +385,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # A client command (ping, stats: health probes run them often) never pays for the config.
+    args = build_parser(serve_flags="serve" in argv).parse_args(argv)
     try:
         return args.fn(args)
     except KVStoreError as exc:

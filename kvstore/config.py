@@ -5,24 +5,26 @@ Offers ``Config`` (sections ``server``, ``store``, ``dram``, ``nvme``, ``hbm``; 
 defaults), ``parse_size``/``format_size`` ("2GiB", "1.5GB", "4096"), ``describe_options``
 (one row per option, for the README and the CLI help) and ``ConfigError``.
 
-Every section coerces its fields in ``__post_init__`` (strings become sizes, numbers and
-booleans such as ``yes``/``off``), so YAML, environment and command-line values all pass the
-same checks, and an error always names the dotted key and, when loaded, where the value came
-from.
+Sections are pydantic dataclasses: pydantic coerces each field to its type (strings become
+numbers, sizes, and booleans such as ``yes``/``off``), then the section runs its own checks, so
+YAML, environment and command-line values all pass the same checks, and an error always names
+the dotted key and, when loaded, where the value came from. Only ``load_config`` reads the
+environment or a file: a ``Config`` built directly is its arguments over the defaults, never
+what happens to be in ``os.environ``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
+import pydantic
 import yaml
 
 from kvstore.index import POLICIES
@@ -57,20 +59,27 @@ _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-z]*)\s*", re.IGNORE
 _BINARY = ("EiB", "PiB", "TiB", "GiB", "MiB", "KiB")
 
 
-def parse_size(value: object, key: str = "size") -> int:
-    """Bytes from an int or a string such as "2GiB", "512MiB", "1.5GB", "64k" or "4096"."""
+def _to_bytes(value: object) -> int:
+    # Not pydantic's ByteSize: it reads "1,024" as 1 B, "0.3KiB" as 307 B and "1.5" as 1 B,
+    # where a typo must be an error; this one is exact (Decimal) or refuses.
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     m = _SIZE.fullmatch(value) if isinstance(value, str) else None
     unit = _UNITS.get(m.group(2).lower()) if m else None
     if m is None or unit is None:
-        raise ConfigError(
-            f"{key} must be a size such as 2GiB, 512MiB, 1.5GB or 4096, got {value!r}", key
-        )
+        raise ValueError("must be a size such as 2GiB, 512MiB, 1.5GB or 4096")
     n = Decimal(m.group(1)) * unit
     if n != n.to_integral_value():
-        raise ConfigError(f"{key} must be a whole number of bytes, got {value!r}", key)
+        raise ValueError("must be a whole number of bytes")
     return int(n)
+
+
+def parse_size(value: object, key: str = "size") -> int:
+    """Bytes from an int or a string such as "2GiB", "512MiB", "1.5GB", "64k" or "4096"."""
+    try:
+        return _to_bytes(value)
+    except ValueError as e:
+        raise ConfigError(f"{key} {e}, got {value!r}", key) from None
 
 
 def format_size(n: int) -> str:
@@ -82,50 +91,20 @@ def format_size(n: int) -> str:
     return str(n)
 
 
-_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+def _strip(value: object) -> object:
+    return value.strip() if isinstance(value, str) else value
 
 
-def _to_bool(value: object, key: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    word = value.strip().lower() if isinstance(value, str) else None
-    if word in _TRUE or word in _FALSE:
-        return word in _TRUE
-    raise ConfigError(f"{key} must be true/false, 1/0, yes/no or on/off, got {value!r}", key)
+# Field types beyond pydantic's own: a size in bytes, and a boolean that forgives " on ".
+Size = Annotated[int, pydantic.BeforeValidator(_to_bytes)]
+Bool = Annotated[bool, pydantic.BeforeValidator(_strip)]
 
-
-def _to_int(value: object, key: str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?[0-9]+\s*", value):
-        return int(value)
-    raise ConfigError(f"{key} must be an integer, got {value!r}", key)
-
-
-def _to_float(value: object, key: str) -> float:
-    try:
-        number = math.nan if isinstance(value, bool) else float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        number = math.nan
-    if not math.isfinite(number):
-        raise ConfigError(f"{key} must be a finite number, got {value!r}", key)
-    return number
-
-
-def _to_str(value: object, key: str) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(f"{key} must be a string, got {value!r}", key)
-    return value
-
-
-_COERCE: dict[str, Callable[[object, str], Any]] = {
-    "bool": _to_bool,
-    "int": _to_int,
-    "float": _to_float,
-    "size": parse_size,
-    "str": _to_str,
+# pydantic's error types, as the rule a value broke; a validator's own ValueError is its rule.
+_RULES = {
+    **dict.fromkeys(("bool_parsing", "bool_type"), "must be true/false, 1/0, yes/no or on/off"),
+    **dict.fromkeys(("int_parsing", "int_from_float", "int_type"), "must be an integer"),
+    **dict.fromkeys(("float_parsing", "float_type", "finite_number"), "must be a finite number"),
+    "string_type": "must be a string",
 }
 
 
@@ -137,16 +116,19 @@ def _size(default: int, help: str) -> Any:
     return _opt(default, help, "size")
 
 
+# Every section: frozen and slotted; pydantic has coerced every field before __post_init__.
+_section = pydantic.dataclasses.dataclass(
+    frozen=True, slots=True, config=pydantic.ConfigDict(allow_inf_nan=False)
+)
+
+
 class _Section:
-    """Coerces every field to its kind, then runs the section's own checks (``_check``)."""
+    """Runs the section's own checks (``_check``) once pydantic has given every field its type."""
 
     __slots__ = ()
     SECTION = ""
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            coerce = _COERCE[f.metadata["kind"]]
-            object.__setattr__(self, f.name, coerce(getattr(self, f.name), self._key(f.name)))
         self._check()
 
     def _check(self) -> None:
@@ -182,15 +164,15 @@ def _is_address(addr: str, unix: bool) -> bool:
     return bool(host) and re.fullmatch(r"[0-9]{1,5}", port) is not None and int(port) <= 65535
 
 
-@dataclass(frozen=True, slots=True)
+@_section
 class ServerConfig(_Section):
     SECTION = "server"
     listen: str = _opt("127.0.0.1:50051", "gRPC listen address: host:port or unix:PATH")
     metrics_listen: str = _opt("127.0.0.1:9400", "Prometheus /metrics host:port; empty disables")
-    max_message_bytes: int = _size(65 * MiB, "largest gRPC message; must exceed max_chunk_bytes")
+    max_message_bytes: Size = _size(65 * MiB, "largest gRPC message; must exceed max_chunk_bytes")
     max_keys_per_request: int = _opt(65536, "most keys one request may name")
-    max_chunk_bytes: int = _size(64 * MiB, "largest chunk payload a Put may store")
-    shm: bool = _opt(True, "offer same-host clients shared-memory handles")
+    max_chunk_bytes: Size = _size(64 * MiB, "largest chunk payload a Put may store")
+    shm: Bool = _opt(True, "offer same-host clients shared-memory handles")
     grace_s: float = _opt(10.0, "seconds in-flight calls get to finish at shutdown")
     workers: int = _opt(16, "gRPC server thread pool size")
     tls_cert: str = _opt("", "PEM certificate for TLS on the gRPC port; empty: plaintext")
@@ -199,7 +181,7 @@ class ServerConfig(_Section):
     tenants_file: str = _opt("", "YAML file of tenants and their tokens; empty: no auth")
     max_leases_per_client: int = _opt(4096, "unexpired leases one client may hold")
     max_streams_per_client: int = _opt(64, "Get/Put streams one client may have open")
-    max_inflight_bytes_per_client: int = _size(GiB, "Put bytes one client may have in flight")
+    max_inflight_bytes_per_client: Size = _size(GiB, "Put bytes one client may have in flight")
 
     def _check(self) -> None:
         self._require(
@@ -236,7 +218,7 @@ class ServerConfig(_Section):
         self._require(self.workers > 0, "workers", "must be positive")
 
 
-@dataclass(frozen=True, slots=True)
+@_section
 class StoreConfig(_Section):
     SECTION = "store"
     write_policy: str = _opt(
@@ -265,26 +247,26 @@ class StoreConfig(_Section):
         )
 
 
-@dataclass(frozen=True, slots=True)
+@_section
 class DramConfig(_Section):
     SECTION = "dram"
-    enabled: bool = _opt(True, "keep chunks in a host shared-memory region (/dev/shm)")
-    capacity_bytes: int = _size(2 * GiB, "size of the region")
-    slot_bytes: int = _size(0, _SLOT_BYTES_HELP)
+    enabled: Bool = _opt(True, "keep chunks in a host shared-memory region (/dev/shm)")
+    capacity_bytes: Size = _size(2 * GiB, "size of the region")
+    slot_bytes: Size = _size(0, _SLOT_BYTES_HELP)
 
     def _check(self) -> None:
         _check_region(self)
 
 
-@dataclass(frozen=True, slots=True)
+@_section
 class NvmeConfig(_Section):
     SECTION = "nvme"
-    enabled: bool = _opt(True, "persist chunks in LMDB; the index is rebuilt from it at start")
+    enabled: Bool = _opt(True, "persist chunks in LMDB; the index is rebuilt from it at start")
     path: str = _opt("./data/lmdb", "LMDB directory, created with its parents")
-    map_size: int = _size(64 * GiB, "LMDB map size: the most bytes the tier holds")
+    map_size: Size = _size(64 * GiB, "LMDB map size: the most bytes the tier holds")
     compression: str = _opt("zstd", "value compression: zstd | none")
     zstd_level: int = _opt(1, "zstd level, 1 (fast) to 22 (small)")
-    sync: bool = _opt(False, "fsync every commit (slower; survives power loss)")
+    sync: Bool = _opt(False, "fsync every commit (slower; survives power loss)")
 
     def _check(self) -> None:
         self._require(bool(self.path), "path", "must not be empty")
@@ -293,12 +275,12 @@ class NvmeConfig(_Section):
         self._require(1 <= self.zstd_level <= 22, "zstd_level", "must be in 1..22")
 
 
-@dataclass(frozen=True, slots=True)
+@_section
 class HbmConfig(_Section):
     SECTION = "hbm"
-    enabled: bool = _opt(False, "keep chunks in GPU memory (needs CuPy and a CUDA device)")
-    capacity_bytes: int = _size(8 * GiB, "size of the device allocation")
-    slot_bytes: int = _size(0, _SLOT_BYTES_HELP)
+    enabled: Bool = _opt(False, "keep chunks in GPU memory (needs CuPy and a CUDA device)")
+    capacity_bytes: Size = _size(8 * GiB, "size of the device allocation")
+    slot_bytes: Size = _size(0, _SLOT_BYTES_HELP)
     device: int = _opt(0, "CUDA device ordinal")
 
     def _check(self) -> None:
@@ -355,6 +337,14 @@ def describe_options() -> list[Option]:
     ]
 
 
+# The layering is written here rather than taken from pydantic-settings, whose sources each
+# break a promise above (checked with pydantic-settings 2.16): the YAML source silently ignores
+# a missing file, raises a bare ValueError on a file that is a list and refuses an empty
+# section; the environment source drops variables of unknown sections (KVSTORE_CACHE_SIZE) and
+# reads only os.environ; the CLI source refuses a bare --hbm.enabled and adds a --SECTION JSON
+# flag per section; sources chosen per call need BaseSettings(_build_sources=...), a private
+# argument whose shape is changing; and none says which source a bad value came from. Each
+# workaround costs more than the code below, and the import costs another 45-90 ms per start.
 def load_config(
     path: str | None = None,
     env: Mapping[str, str] | None = None,
@@ -389,12 +379,27 @@ def load_config(
     sections = {}
     for section, cls in _SECTIONS.items():
         try:
-            sections[section] = cls(**values[section])
+            sections[section] = _build(cls, values[section])
         except ConfigError as e:
             if e.key not in origin:
                 raise
             raise ConfigError(f"{e} (from {origin[e.key]})", e.key) from None
     return Config(**sections)  # type: ignore[arg-type]
+
+
+def _build(cls: type[_Section], values: Mapping[str, object]) -> _Section:
+    """The section from raw values; pydantic's first complaint becomes a ``ConfigError``."""
+    try:
+        return cls(**values)
+    except pydantic.ValidationError as e:
+        err = e.errors()[0]
+        key = f"{cls.SECTION}.{err['loc'][0]}"
+        rule = (
+            str(err["ctx"]["error"])
+            if err["type"] == "value_error"
+            else _RULES.get(err["type"], err["msg"])
+        )
+        raise ConfigError(f"{key} {rule}, got {err['input']!r}", key) from None
 
 
 def _check_known(section: str, name: str, source: str) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -307,3 +309,13 @@ def test_cli_flags_round_trip_through_argparse_into_overrides(tmp_path):
     assert overrides_from_args(parser.parse_args([])) == {}
     help_text = parser.format_help()
     assert "--dram.capacity-bytes SIZE" in help_text and "KVSTORE_DRAM_CAPACITY_BYTES" in help_text
+
+
+def test_client_commands_never_load_the_config_or_pydantic():
+    probe = (
+        "import sys; from kvstore.cli import build_parser; "
+        "build_parser(serve_flags=False).parse_args(['ping']); "
+        "print(sorted(m for m in sys.modules if m.startswith(('kvstore.config', 'pydantic'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
