@@ -13,8 +13,10 @@ GIL, as in a deployment) and move 1 MiB ``raw`` float16 chunk payloads:
 - ``remote_get_gbps`` / ``remote_put_gbps``: ``KVStoreClient.get`` / ``put`` of whole
   chains against a ``StoreServer`` over a DRAM tier (write policy ``none``).
 - ``shm_get_gbps``: ``KVStoreClient.get_shm_into`` into torch uint8 tensors.
-- ``lookup_p50_ms`` / ``lookup_p99_ms``: ``lookup`` of a stored 512-chunk chain (small
-  chunks, on a second server whose slots fit them).
+- ``lookup_*``: 512-key lookups of real chains (most keys matching) against a second
+  server, a DRAM tier over LMDB (zstd, write-through), idle and while another process
+  streams 64 MiB puts into it (``service_lookup.py``); ``lookup_p50_ms`` /
+  ``lookup_p99_ms`` are the idle figures.
 - ``concurrent_*``: 16 threads, each with its own client, mixing lookup, get, shm get
   and put + delete (counted as ``put``) against the default server (16 workers); every
   exception or wrong answer counts as an error.
@@ -32,8 +34,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from concurrent import futures
@@ -44,18 +48,18 @@ import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.common import emit, parser  # noqa: E402
+from benchmarks import service_lookup  # noqa: E402
+from benchmarks.common import chain, emit, parser  # noqa: E402
 from kvstore import wire  # noqa: E402
 from kvstore.client import KVStoreClient  # noqa: E402
-from kvstore.keys import Namespace, chunk_keys  # noqa: E402
+from kvstore.keys import Namespace  # noqa: E402
 from kvstore.payload import HEADER_BYTES, ChunkHeader, build_payload  # noqa: E402
+from kvstore.tiers.extents import ExtentTable  # noqa: E402
 from kvstore.types import ChunkRecord  # noqa: E402
 
 BIG = Namespace("bench-service", "r0", 4, 8, 64, 128, "raw")  # 1 MiB of fp16 K+V per chunk
-SMALL = Namespace("bench-service-small", "r0", 1, 1, 8, 16, "raw")  # 512 B per chunk
 PAGE = 4096
 RAW_METHOD = "/bench.Raw/Stream"
-LOOKUP_KEYS = 512
 CLIENTS = 16
 CONC_GET, CONC_PUT = 8, 4  # chunks per get / put in the concurrent mix
 
@@ -72,36 +76,25 @@ def payload(ns: Namespace, rng: np.random.Generator) -> bytes:
     return bytes(build_payload(header, rng.integers(0, 256, n, dtype=np.uint8)))
 
 
-def chain(ns: Namespace, payloads: list[bytes], seed: int) -> list[ChunkRecord]:
-    """Chained records over ``payloads`` for a prompt whose tokens derive from ``seed``."""
-    tokens = np.random.default_rng(seed).integers(0, 50_000, len(payloads) * ns.chunk_tokens)
-    digest = ns.digest()
-    keys = chunk_keys(digest, tokens, ns.chunk_tokens)
-    return [
-        ChunkRecord(k, keys[i - 1] if i else None, digest, p)
-        for i, (k, p) in enumerate(zip(keys, payloads, strict=True))
-    ]
-
-
 def prefaulted(nbytes: int) -> torch.Tensor:
     t = torch.empty(nbytes, dtype=torch.uint8)
     t.fill_(0)
     return t
 
 
-# ---- the child process: a store server, a small-slot store server, a raw stream server ---
+# ---- the child process: a dram store server, a dram + nvme store server, a raw stream ----
 
 
-def serve(conn, big_slots: int, raw_len: int, raw_count: int) -> None:
+def serve(conn, big_chunks: int, raw_len: int, raw_count: int, put_bytes: int) -> None:
     from kvstore.grpc_server import StoreServer
     from kvstore.store import TieredStore
     from kvstore.tiers.dram import DramTier
 
-    slot = -(-(HEADER_BYTES + body_bytes(BIG)) // PAGE) * PAGE
-    small_slot = -(-(HEADER_BYTES + body_bytes(SMALL)) // PAGE) * PAGE
+    tmp = tempfile.mkdtemp(prefix="bench-service-")
+    cost = ExtentTable.cost(HEADER_BYTES + body_bytes(BIG))
     stores = [
-        TieredStore([DramTier(big_slots * slot, slot)], write_policy="none"),
-        TieredStore([DramTier(2 * LOOKUP_KEYS * small_slot, small_slot)], write_policy="none"),
+        TieredStore([DramTier(big_chunks * cost)], write_policy="none"),
+        service_lookup.tiered_store(tmp, put_bytes),
     ]
     servers = [StoreServer(s, "127.0.0.1:0", grace_s=1.0) for s in stores]
     rng = np.random.default_rng(1)
@@ -131,6 +124,7 @@ def serve(conn, big_slots: int, raw_len: int, raw_count: int) -> None:
     raw.stop(0)
     for s in servers:
         s.stop()
+    shutil.rmtree(tmp)
     conn.send("stopped")
 
 
@@ -224,27 +218,6 @@ class Bench:
         self.raw_channel.close()
 
 
-def lookups(target: str, calls: int) -> tuple[float, float]:
-    """p50 and p99 in ms of ``lookup`` of a stored 512-chunk chain."""
-    rng = np.random.default_rng(3)
-    records = chain(SMALL, [payload(SMALL, rng) for _ in range(LOOKUP_KEYS)], seed=4)
-    keys = [r.key for r in records]
-    with KVStoreClient(target) as client:
-        if client.put(records).stored != LOOKUP_KEYS:
-            raise RuntimeError("lookup setup: the 512-chunk chain was not stored")
-        for _ in range(20):
-            client.lookup(keys)
-        lat = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            matched = client.lookup(keys).matched
-            lat.append(time.perf_counter() - t0)
-            if matched != LOOKUP_KEYS:
-                raise RuntimeError(f"lookup matched {matched}/{LOOKUP_KEYS}")
-    lat.sort()
-    return statistics.median(lat) * 1e3, lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1e3
-
-
 def concurrent(target: str, get_chain: list[ChunkRecord], seconds: float) -> dict:
     """CLIENTS threads, each with its own client, mixing every call for ``seconds``."""
     keys = [r.key for r in get_chain]
@@ -300,14 +273,18 @@ def main() -> None:
     load_start = os.getloadavg()[0]
     n, passes = (64, 12) if args.quick else (128, 16)
     lookup_calls, conc_s = (300, 3.0) if args.quick else (1000, 10.0)
+    puts, puts_s = (6, 30.0) if args.quick else (24, 120.0)  # 64 MiB each
 
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     raw_len = len(wire.chunk_prefix(bytes(16), HEADER_BYTES + body_bytes(BIG)))
     raw_len += HEADER_BYTES + body_bytes(BIG)
     # the get chain, the put chain and every thread's chain, under the eviction watermark
-    big_slots = int((2 * n + CLIENTS * CONC_PUT) / 0.8) + 1
-    child = ctx.Process(target=serve, args=(child_conn, big_slots, raw_len, n), daemon=True)
+    big_chunks = int((2 * n + CLIENTS * CONC_PUT) / 0.8) + 1
+    put_bytes = service_lookup.put_bytes(puts)
+    child = ctx.Process(
+        target=serve, args=(child_conn, big_chunks, raw_len, n, put_bytes), daemon=True
+    )
     child.start()
     try:
         big, small, raw = conn.recv()
@@ -327,7 +304,8 @@ def main() -> None:
             for name, fn in cases.items():
                 runs[name].append(fn())
         best = {name: max(r) for name, r in runs.items()}
-        p50, p99 = lookups(bench.small_target, lookup_calls)
+        lk = service_lookup.lookup_latency(bench.small_target, lookup_calls, puts, puts_s)
+        p50, p99 = lk["lookup_p50_idle_ms"], lk["lookup_p99_idle_ms"]
         conc = concurrent(bench.target, bench.get_chain, conc_s)
         bench.close()
     finally:
@@ -357,7 +335,17 @@ def main() -> None:
             f"{best['remote_put_gbps'] / ceiling:.2f}x raw stream",
         ),
         ("shm get", f"{best['shm_get_gbps']:6.2f} GB/s", f"{shm_ratio:.2f}x memcpy"),
-        ("lookup 512 keys", f"p50 {p50:.3f} ms", f"p99 {p99:.3f} ms"),
+        ("lookup 512 keys", f"p50 {p50:.3f} ms", f"p99 {p99:.3f} ms idle"),
+        *[
+            (
+                f"under puts ({label})",
+                f"p50 {lk[f'lookup_p50_under_put{tag}_ms']:.3f} ms",
+                f"p99 {lk[f'lookup_p99_under_put{tag}_ms']:.3f} ms, max "
+                f"{lk[f'lookup_max_under_put{tag}_ms']:.1f} ms; {lk[f'put_stream{tag}_puts']} "
+                f"x 64 MiB at {lk[f'put_stream{tag}_gbps']:.2f} GB/s",
+            )
+            for label, tag in (("32 MiB", ""), ("1 MiB", "_1mib_chunks"))
+        ],
         (f"{CLIENTS} clients {conc_s:g}s", f"{total_ops} ops", f"{len(conc['errors'])} errors"),
     ]
     for name, value, note in rows:
@@ -371,10 +359,11 @@ def main() -> None:
         "chunks_per_call": n,
         "passes": passes,
         **{k: round(v, 3) for k, v in best.items()},
-        "lookup_keys": LOOKUP_KEYS,
+        "lookup_keys": service_lookup.LOOKUP_KEYS,
         "lookup_calls": lookup_calls,
-        "lookup_p50_ms": round(p50, 3),
-        "lookup_p99_ms": round(p99, 3),
+        "lookup_p50_ms": p50,
+        "lookup_p99_ms": p99,
+        **lk,
         "concurrent_clients": CLIENTS,
         "concurrent_seconds": conc_s,
         "concurrent_ops": conc["ops"],
@@ -390,6 +379,11 @@ def main() -> None:
             "remote_get_ge_0.8x_raw_stream": paired >= 0.8,
             "shm_get_ge_0.7x_memcpy": shm_ratio >= 0.7,
             "lookup_p50_le_2ms": p50 <= 2.0,
+            "lookup_p99_under_put_le_5ms": lk["lookup_p99_under_put_ms"] <= 5.0,
+            "lookup_matches_right": lk["lookup_wrong_matches"] == 0,
+            "put_stream_no_errors": not (
+                lk["put_stream_errors"] or lk["put_stream_1mib_chunks_errors"]
+            ),
             "concurrent_no_errors": not conc["errors"],
         },
     }

@@ -1,4 +1,4 @@
-"""Helpers every benchmark shares: argument parsing, timing, JSON output."""
+"""Helpers every benchmark shares: argument parsing, timing, JSON output, real chunk sizes."""
 
 from __future__ import annotations
 
@@ -9,6 +9,12 @@ import platform
 import sys
 import time
 from collections.abc import Callable
+
+import numpy as np
+
+from kvstore.keys import Namespace, chunk_keys
+from kvstore.payload import HEADER_BYTES, ChunkHeader, build_payload, expected_body_len
+from kvstore.types import ChunkRecord
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -76,3 +82,32 @@ class Progress:
         if self.tty:
             self.stream.write("\n")
             self.stream.flush()
+
+
+# ---- real chunk geometries ------------------------------------------------------------
+
+# Llama-3-8B's KV: 32 layers x 8 KV heads x head_dim 128; the README's connector config
+# cuts it into 256-token chunks: (layers, kv_heads, tokens, head_dim).
+LLAMA8B_CHUNK = (32, 8, 256, 128)
+
+
+def chunk_len(codec: str, src_dtype: str, shape: tuple[int, int, int, int]) -> int:
+    """Payload bytes (header + body) of one chunk: 17,170,468 for Llama-3-8B fp8."""
+    return HEADER_BYTES + expected_body_len(codec, src_dtype, shape)
+
+
+def chunk_payload(codec: str, src_dtype: str, shape: tuple[int, int, int, int], body) -> bytearray:
+    """A valid payload (header, checksum) whose body is the first bytes of ``body``."""
+    n = expected_body_len(codec, src_dtype, shape)
+    return build_payload(ChunkHeader(codec, src_dtype, *shape, n), memoryview(body)[:n])
+
+
+def chain(ns: Namespace, payloads: list, seed: int) -> list[ChunkRecord]:
+    """Chained records over ``payloads`` for a prompt whose tokens derive from ``seed``."""
+    tokens = np.random.default_rng(seed).integers(0, 50_000, len(payloads) * ns.chunk_tokens)
+    digest = ns.digest()
+    keys = chunk_keys(digest, tokens, ns.chunk_tokens)
+    return [
+        ChunkRecord(k, keys[i - 1] if i else None, digest, p)
+        for i, (k, p) in enumerate(zip(keys, payloads, strict=True))
+    ]

@@ -1,0 +1,185 @@
+"""Lookup latency over TCP loopback, idle and while another process streams 64 MiB puts.
+
+Offers ``tiered_store(tmp)`` (the store under test, built in the server process),
+``lookup_latency(target, idle_calls, puts, max_seconds)`` (run by the benchmark), and
+``put_stream`` (the putting client, a process of its own so that its encoding does not
+share a GIL with the timed lookups).
+
+The store is a DRAM tier (512 MiB) over an NVMe tier (zstd, write-through), so a put
+parses and checksums its chunks, copies them into DRAM, compresses and commits them to
+LMDB, and evicts from DRAM once the stream has filled it. Four real 512-key chains of
+small chunks are stored, to 512, 496, 480 and 448 keys; each lookup asks for one whole
+chain (round robin) and must match exactly the stored prefix. Each put is a 2-chunk chain
+of Llama-3-8B 256-token bf16 chunks (33,554,468 B each, 64 MiB per put; the default
+``server.max_chunk_bytes`` is 64 MiB, so one chunk cannot carry the whole 64 MiB).
+Latencies are measured idle (same key lists, same calls) and then for as long as the put
+process is putting; ``puts`` and ``max_seconds`` bound it. The same bytes are then put
+again as 1 MiB chunks (64 per put, sent in 4 MiB messages): the Python gRPC server turns
+each received message into one ``bytes`` with the GIL held, so the message size, not the
+put size, sets how long a lookup can be held up.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+import time
+
+import numpy as np
+
+from benchmarks.common import LLAMA8B_CHUNK, chain, chunk_len, chunk_payload
+from kvstore.client import ClientOptions, KVStoreClient
+from kvstore.keys import Namespace
+
+SMALL = Namespace("bench-service-small", "r0", 1, 1, 8, 16, "raw")  # 512 B per chunk
+LOOKUP_KEYS = 512
+STORED = (512, 496, 480, 448)  # the stored prefix of each lookup chain
+# what one 64 MiB put carries: (namespace, chunk shape (layers, kv_heads, tokens, head_dim),
+# chunks); bf16 K+V, so a chunk is 4 x the product of its shape, plus the header
+PUTS = {
+    "llama8b_bf16": (Namespace("bench-llama8b", "r0", 32, 8, 128, 256, "raw"), LLAMA8B_CHUNK, 2),
+    "1MiB": (Namespace("bench-1mib", "r0", 4, 8, 128, 64, "raw"), (4, 8, 64, 128), 64),
+}
+DRAM_BYTES = 512 << 20
+
+
+def tiered_store(tmp: str, put_bytes: int):
+    """DRAM over LMDB with zstd, write-through: what a put pays for, under the writer lock."""
+    from kvstore.store import TieredStore
+    from kvstore.tiers.dram import DramTier
+    from kvstore.tiers.nvme import NvmeTier
+
+    nvme = NvmeTier(tmp, map_size=2 * put_bytes + (1 << 30), compression="zstd")
+    return TieredStore([DramTier(DRAM_BYTES), nvme], write_policy="write_through")
+
+
+def put_bytes(puts: int) -> int:
+    """Bytes ``puts`` 64 MiB puts of every kind store."""
+    return sum(puts * n * chunk_len("raw", "bfloat16", shape) for _, shape, n in PUTS.values())
+
+
+def put_stream(conn, target: str, kind: str, puts: int, seconds: float) -> None:
+    """Child process: build one bf16 chunk, say ready, then put 64 MiB chains on "go"."""
+    ns, shape, per_put = PUTS[kind]
+    n = 2 * int(np.prod(shape))  # K and V elements
+    normal = np.random.default_rng(5).standard_normal(n, dtype=np.float32)
+    bf16 = (normal.view(np.uint32) >> 16).astype(np.uint16)  # bfloat16, truncated
+    payload = bytes(chunk_payload("raw", "bfloat16", shape, bf16.view(np.uint8)))
+    times: list[tuple[float, float]] = []
+    errors: list[str] = []
+    with KVStoreClient(target, ClientOptions(timeout_s=120.0)) as client:
+        client.ping()
+        conn.send("ready")
+        conn.recv()
+        deadline = time.monotonic() + seconds
+        for i in range(puts):
+            if time.monotonic() > deadline:
+                break
+            records = chain(ns, [payload] * per_put, seed=10_000 + i)
+            t0 = time.perf_counter()
+            try:
+                res = client.put(records)
+                if res.stored + res.duplicates != per_put or res.rejected:
+                    errors.append(f"put {i}: stored {res.stored}, rejected {res.rejected[:1]}")
+            except Exception as exc:  # counted, none expected
+                errors.append(f"put {i}: {type(exc).__name__}: {exc}"[:200])
+            times.append((t0, time.perf_counter()))
+    conn.send({"times": times, "errors": errors, "put_bytes": per_put * len(payload)})
+
+
+def _store_chains(client: KVStoreClient) -> list[tuple[list[bytes], int]]:
+    rng = np.random.default_rng(3)
+    chunk = bytes(chunk_payload("raw", "float16", (1, 1, 16, 8), rng.bytes(512)))
+    out = []
+    for i, stored in enumerate(STORED):
+        records = chain(SMALL, [chunk] * LOOKUP_KEYS, seed=40 + i)
+        if client.put(records[:stored]).stored != stored:
+            raise RuntimeError("lookup setup: a chain was not stored")
+        out.append(([r.key for r in records], stored))
+    return out
+
+
+def _timed_lookups(client, chains, until) -> tuple[list[float], int]:
+    lat, wrong, i = [], 0, 0
+    while not until(len(lat)):
+        keys, want = chains[i % len(chains)]
+        i += 1
+        t0 = time.perf_counter()
+        matched = client.lookup(keys).matched
+        lat.append(time.perf_counter() - t0)
+        wrong += matched != want
+    return lat, wrong
+
+
+def _pct(lat: list[float]) -> dict[str, float]:
+    s = sorted(lat)
+    return {
+        "p50": statistics.median(s) * 1e3,
+        "p99": s[min(len(s) - 1, int(0.99 * len(s)))] * 1e3,
+        "max": s[-1] * 1e3,
+    }
+
+
+def _under_puts(client, chains, target: str, kind: str, puts: int, seconds: float, idle: int):
+    """Lookups while a put process streams; ``idle`` > 0 first times that many without it."""
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    putter = ctx.Process(target=put_stream, args=(child_conn, target, kind, puts, seconds))
+    putter.start()
+    try:
+        if conn.recv() != "ready":
+            raise RuntimeError("the put process did not start")
+        quiet = _timed_lookups(client, chains, lambda n: n >= idle) if idle else ([], 0)
+        conn.send("go")
+        # every lookup that starts while puts are in flight; bounded by the put process
+        busy = _timed_lookups(client, chains, lambda n: conn.poll())
+        report = conn.recv()
+    finally:
+        putter.join(30)
+        if putter.is_alive():
+            putter.kill()
+    return quiet, busy, report
+
+
+def _put_figures(busy: tuple[list[float], int], report: dict, tag: str) -> dict:
+    times = report["times"]
+    span = times[-1][1] - times[0][0] if times else 0.0
+    p = _pct(busy[0])
+    return {
+        f"lookup_p50_under_put{tag}_ms": round(p["p50"], 3),
+        f"lookup_p99_under_put{tag}_ms": round(p["p99"], 3),
+        f"lookup_max_under_put{tag}_ms": round(p["max"], 3),
+        f"lookup_under_put{tag}_calls": len(busy[0]),
+        f"put_stream{tag}_puts": len(times),
+        f"put_stream{tag}_bytes_per_put": report["put_bytes"],
+        f"put_stream{tag}_gbps": round(len(times) * report["put_bytes"] / span / 1e9, 3)
+        if span
+        else 0.0,
+        f"put_stream{tag}_put_ms_p50": round(statistics.median(e - s for s, e in times) * 1e3, 1),
+        f"put_stream{tag}_errors": report["errors"][:5],
+    }
+
+
+def lookup_latency(target: str, idle_calls: int, puts: int, max_seconds: float) -> dict:
+    """Lookup p50/p99 idle, under 64 MiB puts of Llama-3-8B bf16 chunks, and of 1 MiB chunks.
+
+    Keys without a tag are for the Llama chunks (one 32 MiB gRPC message per chunk); the
+    ``_1mib_chunks`` ones put the same bytes as 1 MiB chunks (4 MiB messages).
+    """
+    with KVStoreClient(target) as client:
+        chains = _store_chains(client)
+        _timed_lookups(client, chains, lambda n: n >= 20)  # warm up
+        idle, big, big_report = _under_puts(
+            client, chains, target, "llama8b_bf16", puts, max_seconds, idle_calls
+        )
+        _, small, small_report = _under_puts(client, chains, target, "1MiB", puts, max_seconds, 0)
+    p = _pct(idle[0])
+    return {
+        "lookup_p50_idle_ms": round(p["p50"], 3),
+        "lookup_p99_idle_ms": round(p["p99"], 3),
+        "lookup_max_idle_ms": round(p["max"], 3),
+        "lookup_idle_calls": len(idle[0]),
+        **_put_figures(big, big_report, ""),
+        **_put_figures(small, small_report, "_1mib_chunks"),
+        "lookup_wrong_matches": idle[1] + big[1] + small[1],
+    }
