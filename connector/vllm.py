@@ -34,6 +34,7 @@ from connector.config import ConnectorConfig, ConnectorConfigError
 from connector.namespace import engine_namespace
 from connector.plan import KVStoreMetadata
 from connector.scheduler import SchedulerHalf
+from connector.stats import CounterDeltas, KVStoreConnectorStats, KVStorePromMetrics
 from connector.worker import WorkerHalf
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         save = role_name in ("kv_both", "kv_producer")
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
+        self._deltas: CounterDeltas | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerHalf(
                 self.config, namespace, block_size, load=load, save=save
@@ -132,6 +134,25 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()
+
+    # ---- stats (both sides) -----------------------------------------------------------
+
+    def get_kv_connector_stats(self):
+        """What this half's counters gained since vLLM last asked (None when nothing)."""
+        half = self._worker or self._scheduler
+        if half is None:
+            return None
+        if self._deltas is None:
+            self._deltas = CounterDeltas(half.counters)
+        return self._deltas.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return KVStoreConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         for half in (self._worker, self._scheduler):

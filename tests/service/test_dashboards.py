@@ -168,7 +168,9 @@ def test_the_check_refuses_unknown_metrics_and_rates_of_gauges():
 
 
 def test_every_dashboard_query_names_exported_metrics(exported):
-    check(dashboard_exprs(), exported)
+    # the connector's panels (vllm:kvstore_*) are checked against a real vLLM's /metrics
+    # in tests/connector/test_connector_metrics.py
+    check([e for e in dashboard_exprs() if "vllm:" not in e], exported)
 
 
 def test_every_alert_names_exported_metrics(exported):

