@@ -82,9 +82,7 @@ def put_same_host(client, records: Sequence[ChunkRecord], timeout_s: float | Non
             if region is not None:
                 region.close()
         commit = pb.CommitShmRequest(ticket=grant.ticket)
-        resp = client._call(
-            "CommitShm", client._commit_shm, commit, timeout_s=timeout_s, retry=False
-        )
+        resp = client._call("CommitShm", client._commit_shm, commit, timeout_s=timeout_s)
         stored, dups = resp.stored, dups + resp.duplicates
         rejected = [(r.key, r.reason) for r in resp.rejected]
     else:

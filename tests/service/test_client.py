@@ -1,15 +1,22 @@
-"""The typed clients: deadlines, retries on UNAVAILABLE, and the asyncio twin."""
+"""The typed clients: deadlines, retries on UNAVAILABLE (gRPC's retryPolicy), the asyncio twin."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
 import grpc
 import pytest
 
-from kvstore.client import AsyncKVStoreClient, ClientError, ClientOptions, KVStoreClient
+from kvstore.client import (
+    AsyncKVStoreClient,
+    ClientError,
+    ClientOptions,
+    KVStoreClient,
+    _channel_options,
+)
 from kvstore.grpc_server import StoreServer
 from tests.chunks import chain
 from tests.procs import free_port
@@ -35,34 +42,71 @@ def test_a_closed_port_is_unavailable_within_the_timeout_after_retries():
         elapsed = time.monotonic() - t0
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
     assert "Lookup: UNAVAILABLE" in str(err.value)
-    # three backoffs (0.05 + 0.1 + 0.2 s) were slept, and the deadline was kept
-    assert 0.3 <= elapsed < 1.5
+    assert elapsed < 1.5  # every retry was made within the deadline
 
 
-def test_a_call_made_before_the_server_starts_succeeds_by_retrying(open_store):
+def test_the_retry_policy_names_only_idempotent_calls_and_is_gone_without_retries():
+    options = dict(_channel_options(ClientOptions(retries=9, backoff_s=0.1)))
+    (method,) = json.loads(options["grpc.service_config"])["methodConfig"]
+    retried = {name["method"] for name in method["name"]}
+    assert retried == {"Lookup", "Get", "GetShm", "Put", "ReserveShm", "Delete", "Stats"} | {
+        "Explain",
+        "Check",
+    }
+    assert "Release" not in retried and "CommitShm" not in retried
+    policy = method["retryPolicy"]
+    assert policy["maxAttempts"] == 5  # gRPC's ceiling, not 10
+    assert (policy["initialBackoff"], policy["maxBackoff"]) == ("0.100000000s", "0.800000000s")
+    assert options["grpc.per_rpc_retry_buffer_size"] == ClientOptions().max_message_bytes
+    assert "grpc.service_config" not in dict(_channel_options(ClientOptions(retries=0)))
+    with pytest.raises(ValueError, match="backoff_s"):
+        ClientOptions(backoff_s=0)
+
+
+def start_later(server: StoreServer, delay_s: float = 0.3) -> threading.Timer:
+    timer = threading.Timer(delay_s, server.start)
+    timer.start()
+    return timer
+
+
+@pytest.mark.parametrize("retries", [4, 0])
+def test_a_put_made_before_the_server_starts_succeeds_by_retrying(open_store, retries):
     port = free_port()
     server = StoreServer(open_store(), f"127.0.0.1:{port}", grace_s=1)
-    records = chain(3, seed=2)
-    opts = ClientOptions(timeout_s=5.0, retries=8, backoff_s=0.05)
-    outcome: dict = {}
-    with KVStoreClient(f"127.0.0.1:{port}", opts) as c:
-
-        def put() -> None:
-            try:
-                outcome["result"] = c.put(records)
-            except ClientError as exc:
-                outcome["error"] = exc
-
-        caller = threading.Thread(target=put)
-        caller.start()
-        time.sleep(0.3)  # the first attempts meet a closed port
-        try:
-            assert server.start() == port
-            caller.join(5)
-            assert outcome.get("error") is None and outcome["result"].stored == 3
+    records = chain(16, seed=2)  # 512 KiB: more than gRPC's default 256 KiB retry buffer
+    opts = ClientOptions(timeout_s=10.0, retries=retries, backoff_s=0.2)
+    timer = start_later(server)  # the first attempt meets a closed port
+    try:
+        with KVStoreClient(f"127.0.0.1:{port}", opts) as c:
+            if not retries:
+                with pytest.raises(ClientError) as err:
+                    c.put(records)
+                assert err.value.code == grpc.StatusCode.UNAVAILABLE
+                return
+            assert c.put(records).stored == 16
             assert [bytes(p) for p in c.get(keys_of(records))] == payloads_of(records)
-        finally:
-            server.stop()
+    finally:
+        timer.join()
+        server.stop()
+
+
+def test_an_async_call_made_before_the_server_starts_succeeds_by_retrying(open_store):
+    port = free_port()
+    server = StoreServer(open_store(), f"127.0.0.1:{port}", grace_s=1)
+    records = chain(3, seed=4)
+
+    async def scenario() -> None:
+        opts = ClientOptions(timeout_s=10.0, retries=4, backoff_s=0.2)
+        async with AsyncKVStoreClient(f"127.0.0.1:{port}", opts) as c:
+            assert (await c.put(records)).stored == 3
+            assert (await c.stats()).chunks == 3
+
+    timer = start_later(server)
+    try:
+        asyncio.run(scenario())
+    finally:
+        timer.join()
+        server.stop()
 
 
 def test_async_client_round_trip(served):
