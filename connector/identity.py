@@ -9,7 +9,8 @@ keys, grown as its tokens grow: prompt first, then generated tokens).
 Two requests share chunks exactly when vLLM's own prefix cache would let them
 share blocks: same tokens, same adapter, same cache salt, same multimodal inputs
 at the same places. A LoRA adapter is known by its name, which must name the
-same weights on every node that shares a store (as the model name must).
+same weights on every node that shares a store (as the model name must). Never uses
+Python's ``hash`` or vLLM's block hashes: every process and engine version must agree.
 """
 
 from __future__ import annotations

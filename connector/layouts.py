@@ -15,6 +15,8 @@ Offers:
 - ``detect_cpu_isa``, ``detect_cpu_layout``, ``layout_for``: pick the layout for an engine.
 - ``kernel_block_ids``: manager block ids to the cache tensor's (kernel) block ids.
 
+A layout never writes a block of the cache it was not given.
+
 Block ids are the scheduler's (KV-manager) block ids. vLLM may split a manager block into
 ``block_size // kv_layer.shape[2]`` kernel blocks; both layouts expand the ids accordingly.
 

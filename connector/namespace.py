@@ -1,4 +1,9 @@
-"""The kvstore namespace of an engine: what must match for two engines to share KV."""
+"""The kvstore namespace of an engine: what must match for two engines to share KV.
+
+Offers ``engine_namespace(vllm_config, chunk_tokens, codec, salt)``. Never leaves out what
+changes the bytes (model, revision, geometry, KV dtype, codec, TP size): two engines that
+would compute different KV never share a namespace.
+"""
 
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ A load that fails costs only a recompute when vLLM is told so
 (``"kv_load_failure_policy": "recompute"`` in ``kv_transfer_config``); with
 vLLM's default ``fail`` the request fails, and the connector says so at start.
 Pipeline parallelism is refused at start: a stage's chunks would carry only
-its own layers under keys the other stages share.
+its own layers under keys the other stages share. The facade only hands each hook
+to its half; neither half ever lets a store failure raise into the engine.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Offers ``start(config) -> Running`` (everything started, ports bound) and
 ``serve(config)`` (start, print where it listens, block until SIGTERM/SIGINT,
-then shut down gracefully).
+then shut down gracefully). Never reads flags or the environment: the ``Config`` it
+is given (``kvstore.config.load_config``) is all it goes by.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Client commands talk to ``--address`` (default: ``$KVSTORE_SERVER_LISTEN`` or
 127.0.0.1:50051). Every failure prints one readable line and exits non-zero.
 ``stats --watch [SECONDS]`` refreshes the view with rates per second until Ctrl-C
-(or ``--count`` refreshes).
+(or ``--count`` refreshes). A client command never loads the server's config or store
+code, and never takes a token as an argument (only ``--token-file``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ call; every call has a deadline; gRPC retries idempotent calls on
 the gRPC status code and the server's message. Payloads come back as zero-copy views
 of the received messages. A client on the same host as the store may ask for
 shared-memory handles (``shm=True``) and copy straight from the DRAM tier; a
-copy it cannot trust (``kvstore.shm_reader``) is read again over TCP.
+copy it cannot trust (``kvstore.shm_reader``) is read again over TCP. Never imports
+server code, so a vLLM process loads neither the index nor the tiers.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ K and V are ``[layers, kv_heads, tokens, head_dim]`` tensors of one dtype.
 ``raw`` keeps that dtype bit for bit. ``fp8`` stores float8_e4m3 codes with
 per-channel scales for K (``[L, H, D]``: keys carry outliers in fixed channels)
 and per-token scales for V (``[L, H, T]``). Quantization runs on the tensors'
-own device, so only half the bytes of bf16 ever leave an accelerator.
+own device, so only half the bytes of bf16 ever leave an accelerator. The server never
+imports it: the store validates headers (``kvstore.payload``) and never decodes a body.
 """
 
 from __future__ import annotations

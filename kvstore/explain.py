@@ -1,4 +1,8 @@
-"""Why a key chain is not (fully) stored: ``explain(store, keys, namespace, lease_id)``."""
+"""Why a key chain is not (fully) stored: ``explain(store, keys, namespace, lease_id)``.
+
+Read-only: it never refreshes recency, takes a lease or reads a tier, so asking why a
+chain missed never changes what the next lookup finds.
+"""
 
 from __future__ import annotations
 

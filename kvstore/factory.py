@@ -1,9 +1,9 @@
 """Builds the tiers and the store that a ``Config`` describes.
 
 Offers ``build_tiers(config)`` (hbm, dram, nvme in that order, only the enabled ones) and
-``build_store(config)``. When a tier cannot be built, the tiers already built are closed
-(a dram region left in ``/dev/shm`` would outlive the process) and a ``ConfigError`` names
-the config keys to change, with the tier's own error as its cause.
+``build_store(config)``. When a tier cannot be built, the tiers already built are closed,
+never left open (a dram region left in ``/dev/shm`` would outlive the process), and a
+``ConfigError`` names the config keys to change, with the tier's own error as its cause.
 """
 
 from __future__ import annotations

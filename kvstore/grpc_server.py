@@ -3,7 +3,8 @@
 Offers ``StoreServer(store, listen, limits, ..., credentials, tenants)`` (TLS when
 ``credentials`` are given; bearer tokens per tenant when ``tenants`` are) with
 ``start()`` (returns the bound port), ``stop()`` (refuse new calls, finish
-in-flight ones, flush and close the store) and ``wait()``.
+in-flight ones, flush and close the store) and ``wait()``. A stop never cuts an
+in-flight call short before ``grace_s`` has passed.
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""The generated protobuf and gRPC modules, with a clear error when they are missing."""
+"""The generated protobuf and gRPC modules, with a clear error when they are missing.
+
+The stubs are generated from ``proto/kvstore/v1/kvstore.proto`` (``make proto``), never
+edited by hand.
+"""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 Offers ``KVStoreService`` (the method implementations) and ``generic_handler``
 (registers them with the hand-coded serializers for ``Get`` and ``Put``).
 Logic lives in ``TieredStore``; this module only validates request limits,
-maps errors and records metrics.
+maps errors and records metrics. It never answers a malformed request with
+``INTERNAL``: the status names the field (``INVALID_ARGUMENT``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ meanwhile. Whatever is dropped is read again over TCP.
 A store has one region, so a handle naming a region not mapped here means the
 store restarted: the old mappings are closed then, rather than holding a dead
 store's memory for as long as the client lives. A region that cannot be mapped
-(gone, not ours to read) makes its chunks come over TCP instead.
+(gone, not ours to read) makes its chunks come over TCP instead. Never writes to the
+store's memory (the mapping is private) and never hands back a copy it has not checked.
 """
 
 from __future__ import annotations

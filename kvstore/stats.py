@@ -1,4 +1,7 @@
-"""Counters the store keeps, as plain records (``TierStats``, ``StoreStats``)."""
+"""Counters the store keeps, as plain records (``TierStats``, ``StoreStats``).
+
+Data only: no locks, no I/O; ``TieredStore.stats`` hands out a copy, never the live ones.
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 Offers ``Node`` and ``RecencyList`` (push to the newest end, unlink, iterate
 oldest first). The links live in the node's own slots so a million chunks cost
-no extra objects: at most ``MAX_TIERS`` tiers.
+no extra objects: at most ``MAX_TIERS`` tiers. No locks of its own: in the store it is
+only ever touched under the index lock.
 """
 
 from __future__ import annotations

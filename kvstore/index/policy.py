@@ -1,7 +1,8 @@
 """Eviction policies: tiny strategy objects chosen by name from ``POLICIES``.
 
 A policy says whether an access refreshes a node's place in a tier's recency
-list; eviction always takes candidates from the oldest end.
+list; eviction always takes candidates from the oldest end. A policy never picks a
+victim itself, so it can never evict a leased chunk.
 """
 
 from __future__ import annotations

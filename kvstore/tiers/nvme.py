@@ -17,7 +17,8 @@ whose content can be recomputed; ``sync=True`` flushes every commit to the disk.
 ``close()`` flushes in both modes.
 
 One store per data directory: the tier holds an flock on ``kvstore.lock`` there
-while open and refuses a directory another live process holds.
+while open and refuses a directory another live process holds. Only the writer
+thread ever opens a write transaction.
 """
 
 from __future__ import annotations
