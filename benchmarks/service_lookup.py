@@ -16,7 +16,8 @@ Latencies are measured idle (same key lists, same calls) and then for as long as
 process is putting; ``puts`` and ``max_seconds`` bound it. The same bytes are then put
 again as 1 MiB chunks (64 per put, sent in 4 MiB messages): the Python gRPC server turns
 each received message into one ``bytes`` with the GIL held, so the message size, not the
-put size, sets how long a lookup can be held up.
+put size, sets how long a lookup can be held up. Last, the Llama chunks are put over
+shared memory (same host), where no payload crosses gRPC at all.
 """
 
 from __future__ import annotations
@@ -35,10 +36,21 @@ SMALL = Namespace("bench-service-small", "r0", 1, 1, 8, 16, "raw")  # 512 B per 
 LOOKUP_KEYS = 512
 STORED = (512, 496, 480, 448)  # the stored prefix of each lookup chain
 # what one 64 MiB put carries: (namespace, chunk shape (layers, kv_heads, tokens, head_dim),
-# chunks); bf16 K+V, so a chunk is 4 x the product of its shape, plus the header
+# chunks, over shared memory); bf16 K+V, so a chunk is 4 x its shape's product, plus a header
 PUTS = {
-    "llama8b_bf16": (Namespace("bench-llama8b", "r0", 32, 8, 128, 256, "raw"), LLAMA8B_CHUNK, 2),
-    "1MiB": (Namespace("bench-1mib", "r0", 4, 8, 128, 64, "raw"), (4, 8, 64, 128), 64),
+    "llama8b_bf16": (
+        Namespace("bench-llama8b", "r0", 32, 8, 128, 256, "raw"),
+        LLAMA8B_CHUNK,
+        2,
+        False,
+    ),
+    "1MiB": (Namespace("bench-1mib", "r0", 4, 8, 128, 64, "raw"), (4, 8, 64, 128), 64, False),
+    "llama8b_bf16_shm": (
+        Namespace("bench-llama8b-shm", "r0", 32, 8, 128, 256, "raw"),
+        LLAMA8B_CHUNK,
+        2,
+        True,
+    ),
 }
 DRAM_BYTES = 512 << 20
 
@@ -55,12 +67,12 @@ def tiered_store(tmp: str, put_bytes: int):
 
 def put_bytes(puts: int) -> int:
     """Bytes ``puts`` 64 MiB puts of every kind store."""
-    return sum(puts * n * chunk_len("raw", "bfloat16", shape) for _, shape, n in PUTS.values())
+    return sum(puts * n * chunk_len("raw", "bfloat16", shape) for _, shape, n, _ in PUTS.values())
 
 
 def put_stream(conn, target: str, kind: str, puts: int, seconds: float) -> None:
     """Child process: build one bf16 chunk, say ready, then put 64 MiB chains on "go"."""
-    ns, shape, per_put = PUTS[kind]
+    ns, shape, per_put, shm = PUTS[kind]
     n = 2 * int(np.prod(shape))  # K and V elements
     normal = np.random.default_rng(5).standard_normal(n, dtype=np.float32)
     bf16 = (normal.view(np.uint32) >> 16).astype(np.uint16)  # bfloat16, truncated
@@ -78,7 +90,7 @@ def put_stream(conn, target: str, kind: str, puts: int, seconds: float) -> None:
             records = chain(ns, [payload] * per_put, seed=10_000 + i)
             t0 = time.perf_counter()
             try:
-                res = client.put(records)
+                res = client.put(records, shm=shm)
                 if res.stored + res.duplicates != per_put or res.rejected:
                     errors.append(f"put {i}: stored {res.stored}, rejected {res.rejected[:1]}")
             except Exception as exc:  # counted, none expected
@@ -161,10 +173,12 @@ def _put_figures(busy: tuple[list[float], int], report: dict, tag: str) -> dict:
 
 
 def lookup_latency(target: str, idle_calls: int, puts: int, max_seconds: float) -> dict:
-    """Lookup p50/p99 idle, under 64 MiB puts of Llama-3-8B bf16 chunks, and of 1 MiB chunks.
+    """Lookup p50/p99 idle, then under three streams of 64 MiB puts.
 
-    Keys without a tag are for the Llama chunks (one 32 MiB gRPC message per chunk); the
-    ``_1mib_chunks`` ones put the same bytes as 1 MiB chunks (4 MiB messages).
+    Keys without a tag: Llama-3-8B bf16 chunks over TCP (one 32 MiB gRPC message per
+    chunk); ``_1mib_chunks``: the same bytes as 1 MiB chunks (4 MiB messages);
+    ``_shm``: Llama chunks again, copied by the client into the store's shared memory
+    (``put(shm=True)``), so no payload crosses gRPC.
     """
     with KVStoreClient(target) as client:
         chains = _store_chains(client)
@@ -173,6 +187,9 @@ def lookup_latency(target: str, idle_calls: int, puts: int, max_seconds: float) 
             client, chains, target, "llama8b_bf16", puts, max_seconds, idle_calls
         )
         _, small, small_report = _under_puts(client, chains, target, "1MiB", puts, max_seconds, 0)
+        _, shm, shm_report = _under_puts(
+            client, chains, target, "llama8b_bf16_shm", puts, max_seconds, 0
+        )
     p = _pct(idle[0])
     return {
         "lookup_p50_idle_ms": round(p["p50"], 3),
@@ -181,5 +198,6 @@ def lookup_latency(target: str, idle_calls: int, puts: int, max_seconds: float) 
         "lookup_idle_calls": len(idle[0]),
         **_put_figures(big, big_report, ""),
         **_put_figures(small, small_report, "_1mib_chunks"),
-        "lookup_wrong_matches": idle[1] + big[1] + small[1],
+        **_put_figures(shm, shm_report, "_shm"),
+        "lookup_wrong_matches": idle[1] + big[1] + small[1] + shm[1],
     }
