@@ -44,6 +44,7 @@ class _Request:
 class SchedulerCounters:
     lookups: int = 0
     lookup_failures: int = 0
+    lookup_tokens: int = 0  # tokens of whole chunks asked about
     hit_tokens: int = 0
     loads_planned: int = 0
     resumed_loads: int = 0
@@ -147,6 +148,7 @@ class SchedulerHalf:
         matched = len(keys)
         ttl = self.config.lease_ttl_s if lease else 0.0
         self.counters.lookups += 1
+        self.counters.lookup_tokens += len(keys) * self.config.chunk_tokens
         try:
             for rank in range(self.tp):
                 parts = [part_key(k, rank, self.tp) for k in keys[:matched]]

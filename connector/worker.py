@@ -23,6 +23,7 @@ import logging
 import queue
 import re
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,8 +43,12 @@ _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 class WorkerCounters:
     loaded_chunks: int = 0
     loaded_tokens: int = 0
+    loaded_bytes: int = 0
+    load_seconds: float = 0.0  # from asking the store to the last block written
     load_failures: int = 0
     saved_chunks: int = 0
+    saved_bytes: int = 0
+    save_seconds: float = 0.0  # sending (the background thread; the engine never waits)
     save_skipped: int = 0  # chunks not sent: queue full, or their chain had ended before
     save_failures: int = 0  # chunks that failed to copy, encode or send, or were refused
     chains_ended: int = 0  # requests whose chain ended before its last chunk
@@ -129,12 +134,14 @@ class WorkerHalf:
         bpc = self.blocks_per_chunk
         keys = [part_key(k, self.rank, self.tp) for k in spec.keys]
         loaded = 0
+        t0 = time.perf_counter()
         try:
             payloads = self.client.get(keys, timeout_s=self.config.load_timeout_s)
             for j, payload in enumerate(payloads[: len(keys)]):
                 blocks = spec.block_ids[j * bpc : (j + 1) * bpc]
                 self._write_chunk(payload, blocks, spec.first_block - j * bpc)
                 loaded = j + 1
+                self.counters.loaded_bytes += memoryview(payload).nbytes
         except Exception as exc:  # the blocks below are recomputed; the engine goes on
             log.warning("kvstore load for %s stopped after %d chunks: %s", spec.req_id, loaded, exc)
         if loaded < len(keys):
@@ -143,6 +150,7 @@ class WorkerHalf:
             self._errors.update(spec.block_ids[first_bad:])
         self.counters.loaded_chunks += loaded
         self.counters.loaded_tokens += max(0, loaded * bpc - spec.first_block) * self.block_size
+        self.counters.load_seconds += time.perf_counter() - t0
 
     def _write_chunk(self, payload, blocks: list[int], skip: int) -> None:
         k, v = codec.decode(payload)
@@ -289,6 +297,7 @@ class WorkerHalf:
             owners[key] = c.req_id
         if not records:
             return
+        t0 = time.perf_counter()
         try:
             result = self.client.put(records, timeout_s=self.config.save_timeout_s)
         except Exception as exc:
@@ -297,7 +306,13 @@ class WorkerHalf:
             for req_id in set(owners.values()):
                 self._fail_chain(req_id)
             return
+        self._count("save_seconds", time.perf_counter() - t0)
         self._count("saved_chunks", result.stored + result.duplicates)
+        refused = {key for key, _ in result.rejected}
+        self._count(
+            "saved_bytes",
+            sum(memoryview(r.payload).nbytes for r in records if r.key not in refused),
+        )
         if result.rejected:
             self._count("save_failures", len(result.rejected))
             self._log_once("refused", "kvstore refused a chunk: %s", result.rejected[0][1])

@@ -89,6 +89,13 @@ def test_vllm_metrics_count_the_connectors_lookups_hits_loads_and_saves(server):
     ) == (PROMPT_CHUNKS * CHUNK)
     assert after["vllm:kvstore_loaded_tokens_total"] >= PROMPT_CHUNKS * CHUNK
     assert after["vllm:kvstore_saved_chunks_total"] >= PROMPT_CHUNKS
+    assert after["vllm:kvstore_lookup_tokens_total"] >= 2 * PROMPT_CHUNKS * CHUNK
+    loaded = after["vllm:kvstore_loaded_bytes_total"] - before.get(
+        "vllm:kvstore_loaded_bytes_total", 0
+    )
+    assert loaded > 0 and after["vllm:kvstore_load_seconds_total"] > 0
+    assert after["vllm:kvstore_saved_bytes_total"] >= loaded  # it saved what it then loaded
+    assert after["vllm:kvstore_save_seconds_total"] > 0
     assert after.get("vllm:kvstore_load_failures_total", 0) == 0
 
     # every connector metric the dashboard draws is one this server exports
