@@ -153,7 +153,11 @@ def run(policy: str, restarts: int, traffic_s: float, workdir: Path) -> dict:
     for n in range(restarts + 1):
         served = Served(argv)
         t0 = time.monotonic()
-        round_ = {"restart": n, **check_restart(served.address, ledger, policy)}
+        try:
+            round_ = {"restart": n, **check_restart(served.address, ledger, policy)}
+        except BaseException:
+            served.stop()  # a failed check must not leave the store running
+            raise
         round_["check_s"] = round(time.monotonic() - t0, 3)
         if n == restarts:
             code, err = served.stop()
