@@ -45,6 +45,15 @@ class ConnectorConfig:
     save_queue_bytes: int = 1 << 30  # KV copied out of the engine and not yet sent
     save_generated: bool = True  # full chunks of generated tokens too (multi-turn reuse)
     lease_ttl_s: float = 30.0
+    # "shm": copy chunks through the store's shared memory (same host only), "tcp": gRPC,
+    # "auto": shm when ``store`` is a unix socket or a loopback address
+    transport: str = "auto"
+
+    @property
+    def same_host(self) -> bool:
+        if self.transport != "auto":
+            return self.transport == "shm"
+        return _is_local(self.store)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, object] | None, block_size: int) -> ConnectorConfig:
@@ -80,6 +89,10 @@ class ConnectorConfig:
         for key in ("lookup_timeout_s", "load_timeout_s", "save_timeout_s", "lease_ttl_s"):
             if getattr(self, key) <= 0:
                 raise bad(key, f"must be positive, got {getattr(self, key)}")
+        if self.transport not in TRANSPORTS:
+            raise bad(
+                "transport", f"must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}"
+            )
         if self.save_queue_depth < 1:
             raise bad("save_queue_depth", f"must be at least 1, got {self.save_queue_depth}")
         if self.save_queue_bytes < 1:
@@ -98,4 +111,13 @@ _TYPES = {
     "save_queue_bytes": int,
     "save_generated": bool,
     "lease_ttl_s": float,
+    "transport": str,
 }
+TRANSPORTS = ("auto", "shm", "tcp")
+
+
+def _is_local(address: str) -> bool:
+    if address.startswith("unix:"):
+        return True
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")

@@ -1,7 +1,8 @@
 """The worker half: moves chunks between the engine's paged KV cache and the store.
 
 Offers ``WorkerHalf`` with ``register(kv_caches)``, ``load(meta)`` (before the
-forward: synchronous, bounded by ``load_timeout_s``), ``save(meta)`` (after the
+forward: synchronous, bounded by ``load_timeout_s``; on the store's host through its
+shared memory, ``ConnectorConfig.transport``), ``save(meta)`` (after the
 forward: copies the chunks out of the paged cache, then encodes and sends them
 from a background thread), ``finished(req_ids)``, ``load_errors()`` and ``close()``.
 
@@ -33,6 +34,7 @@ from connector.config import ConnectorConfig
 from connector.plan import KVStoreMetadata, LoadSpec, SaveSpec
 from kvstore import codec
 from kvstore.keys import Namespace, part_key
+from kvstore.payload import expected_body_len
 from kvstore.types import ChunkRecord
 
 log = logging.getLogger(__name__)
@@ -91,6 +93,7 @@ class WorkerHalf:
         self.counters = WorkerCounters()
         self._layers: list[torch.Tensor] = []
         self._layout = None
+        self._staging = torch.empty(0, dtype=torch.uint8)  # same-host loads land here
         self._errors: set[int] = set()
         self._queue: queue.Queue = queue.Queue(maxsize=config.save_queue_depth)
         self._sender: threading.Thread | None = None
@@ -136,7 +139,7 @@ class WorkerHalf:
         loaded = 0
         t0 = time.perf_counter()
         try:
-            payloads = self.client.get(keys, timeout_s=self.config.load_timeout_s)
+            payloads = self._fetch(keys)
             for j, payload in enumerate(payloads[: len(keys)]):
                 blocks = spec.block_ids[j * bpc : (j + 1) * bpc]
                 self._write_chunk(payload, blocks, spec.first_block - j * bpc)
@@ -151,6 +154,26 @@ class WorkerHalf:
         self.counters.loaded_chunks += loaded
         self.counters.loaded_tokens += max(0, loaded * bpc - spec.first_block) * self.block_size
         self.counters.load_seconds += time.perf_counter() - t0
+
+    def _fetch(self, keys: list[bytes]) -> list:
+        """Payloads of the stored prefix of ``keys``: on the store's host copied once, from
+        its shared memory into a staging buffer reused across loads; else over gRPC."""
+        if not self.config.same_host:
+            return self.client.get(keys, timeout_s=self.config.load_timeout_s)
+        size = self._payload_bytes()
+        need = len(keys) * size
+        if self._staging.numel() < need:
+            self._staging = torch.empty(need, dtype=torch.uint8)
+        dests = [self._staging[i * size : (i + 1) * size] for i in range(len(keys))]
+        n = self.client.get_shm_into(keys, dests, timeout_s=self.config.load_timeout_s)
+        # decoded raw chunks are views of these (codec.decode): scattered before the next load
+        return [memoryview(d.numpy()) for d in dests[:n]]
+
+    def _payload_bytes(self) -> int:
+        """Bytes of one chunk part's payload as this engine saves it."""
+        shape = (self.ns.num_layers, self._heads(), self.config.chunk_tokens, self.ns.head_dim)
+        src = codec.dtype_name(self._layers[0].dtype)
+        return codec.HEADER_BYTES + expected_body_len(self.config.codec, src, shape)
 
     def _write_chunk(self, payload, blocks: list[int], skip: int) -> None:
         k, v = codec.decode(payload)
@@ -299,7 +322,9 @@ class WorkerHalf:
             return
         t0 = time.perf_counter()
         try:
-            result = self.client.put(records, timeout_s=self.config.save_timeout_s)
+            result = self.client.put(
+                records, timeout_s=self.config.save_timeout_s, shm=self.config.same_host
+            )
         except Exception as exc:
             self._log_once("put", "kvstore save failed (chunks dropped): %s", exc)
             self._count("save_failures", len(records))

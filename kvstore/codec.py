@@ -12,6 +12,8 @@ imports it: the store validates headers (``kvstore.payload``) and never decodes 
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -45,6 +47,13 @@ def _check_kv(k: torch.Tensor, v: torch.Tensor) -> str:
     return _DTYPE_NAMES[k.dtype]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The payload header's name for a K/V dtype."""
+    if dtype not in _DTYPE_NAMES:
+        raise InvalidArgument(f"K/V dtype must be one of {list(_TORCH_DTYPES)}, got {dtype}")
+    return _DTYPE_NAMES[dtype]
+
+
 def quantize_fp8(x: torch.Tensor, reduce_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 codes and float32 scales, one scale per slice along all but ``reduce_dim``."""
     xf = x.float()
@@ -68,14 +77,29 @@ def encode(k: torch.Tensor, v: torch.Tensor, codec: str) -> bytearray:
     return build_payload(header, np.concatenate(parts))
 
 
+def _body_tensor(body: memoryview, copy: bool) -> torch.Tensor:
+    """The body as uint8 without a copy where none is needed: fp8 only reads its codes into
+    new tensors, and a writable body (a caller's staging buffer) is the caller's to alias."""
+    if copy:
+        return torch.frombuffer(bytearray(body), dtype=torch.uint8)
+    if body.readonly:
+        with warnings.catch_warnings():  # read, never written: see above
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(body, dtype=torch.uint8)
+    return torch.frombuffer(body, dtype=torch.uint8)
+
+
 def decode(
     payload: bytes | bytearray | memoryview, device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate a payload and return (K, V) in its source dtype on ``device``."""
+    """Validate a payload and return (K, V) in its source dtype on ``device``.
+
+    ``raw`` K and V are views of a writable ``payload`` (no copy): they are valid as
+    long as the caller keeps its buffer unchanged."""
     header, body = parse_payload(payload)
     shape = header.shape
     dtype = _TORCH_DTYPES[header.src_dtype]
-    raw = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+    raw = _body_tensor(body, copy=header.codec == "raw" and body.readonly)
     if raw.numel() != header.body_len:
         raise PayloadError("body length changed while decoding")
     if device is not None:
@@ -97,4 +121,4 @@ def decode(
     return k, v
 
 
-__all__ = ["HEADER_BYTES", "decode", "encode", "quantize_fp8"]
+__all__ = ["HEADER_BYTES", "decode", "dtype_name", "encode", "quantize_fp8"]

@@ -215,3 +215,43 @@ def test_with_tensor_parallelism_a_chunk_hits_only_when_every_rank_stored_its_pa
     rank1.flush(10)
     assert sched.matched_tokens(request("r2", tokens), 0) == CHUNK  # both ranks: chunk 0 only
     sched.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp", "auto"])
+def test_same_host_loads_and_saves_go_through_shared_memory_and_match_tcp(store_address, transport):
+    tokens = list(range(7000, 7000 + 2 * CHUNK))
+    keys = chunk_keys(NS.digest(), tokens, CHUNK)
+    src = paged_cache(seed=5)
+    saver = worker(store_address, src, transport=transport)
+    saver.save(KVStoreMetadata(saves=[SaveSpec("a", keys, None, [1, 2, 3, 4])]))
+    assert saver.flush(10) and saver.counters.saved_chunks == 2
+
+    dst = paged_cache(seed=6)
+    loader = worker(store_address, dst, transport=transport)
+    for _ in range(2):  # the second load reuses the staging buffer
+        loader.load(KVStoreMetadata(loads=[LoadSpec("b", keys, [8, 9, 10, 11], 0)]))
+        assert loader.load_errors() == set()
+    layout = CpuLayout(BLOCK, DIM)
+    for name in src:
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(
+                layout.gather(src[name], [1, 2, 3, 4]), layout.gather(dst[name], [8, 9, 10, 11])
+            )
+        )
+    via_shm = loader.client.shm_stats.chunks
+    assert via_shm == (0 if transport == "tcp" else 4)
+
+
+@pytest.mark.parametrize(
+    ("store", "same_host"),
+    [("127.0.0.1:1", True), ("localhost:1", True), ("unix:/tmp/s", True), ("10.0.0.7:1", False)],
+)
+def test_auto_transport_uses_shared_memory_only_for_local_addresses(store, same_host):
+    assert config(store).same_host is same_host
+    assert config(store, transport="tcp").same_host is False
+
+
+def test_an_unknown_transport_is_refused_naming_the_key():
+    with pytest.raises(ValueError, match="kv_connector_extra_config.transport must be one of"):
+        config("127.0.0.1:1", transport="rdma")
