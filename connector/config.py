@@ -48,6 +48,7 @@ class ConnectorConfig:
     # "shm": copy chunks through the store's shared memory (same host only), "tcp": gRPC,
     # "auto": shm when ``store`` is a unix socket or a loopback address
     transport: str = "auto"
+    compile_codec: bool = True  # fuse the fp8 kernels at start (~14 s once); eager if not
 
     @property
     def same_host(self) -> bool:
@@ -112,6 +113,7 @@ _TYPES = {
     "save_generated": bool,
     "lease_ttl_s": float,
     "transport": str,
+    "compile_codec": bool,
 }
 TRANSPORTS = ("auto", "shm", "tcp")
 

@@ -122,6 +122,10 @@ class WorkerHalf:
                 f"{self.ns.num_layers}"
             )
         self._layout = self._layout_for(self._layers[0], names[0])
+        if self.config.codec == "fp8" and self.config.compile_codec:
+            shape = (self.ns.num_layers, self._heads(), self.config.chunk_tokens, self.ns.head_dim)
+            cache = self._layers[0]
+            codec.compile_kernels(shape, cache.dtype, cache.device)  # eager if this fails
 
     # ---- loading ---------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """Encode K/V tensors in the canonical layout to chunk payloads and back (torch).
 
-Offers ``encode(k, v, codec)`` and ``decode(payload, device=None)``.
+Offers ``encode(k, v, codec)``, ``decode(payload, device=None)`` and
+``compile_kernels(shape, dtype)`` (fused fp8 kernels, warmed once; eager otherwise).
 
 K and V are ``[layers, kv_heads, tokens, head_dim]`` tensors of one dtype.
 ``raw`` keeps that dtype bit for bit. ``fp8`` stores float8_e4m3 codes with
@@ -12,28 +13,26 @@ imports it: the store validates headers (``kvstore.payload``) and never decodes 
 
 from __future__ import annotations
 
+import logging
 import warnings
 
-import numpy as np
 import torch
 
 from kvstore.payload import (
     HEADER_BYTES,
     ChunkHeader,
-    build_payload,
     expected_body_len,
     parse_payload,
+    seal_payload,
 )
 from kvstore.types import InvalidArgument, PayloadError
+
+log = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
-
-
-def _as_bytes(t: torch.Tensor) -> np.ndarray:
-    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
 
 
 def _check_kv(k: torch.Tensor, v: torch.Tensor) -> str:
@@ -54,12 +53,56 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES[dtype]
 
 
-def quantize_fp8(x: torch.Tensor, reduce_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 codes and float32 scales, one scale per slice along all but ``reduce_dim``."""
+def _quantize(x: torch.Tensor, reduce_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     scale = xf.abs().amax(dim=reduce_dim, keepdim=True).clamp_min(1e-12) / FP8_MAX
-    codes = (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    codes = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return codes, scale.squeeze(reduce_dim)
+
+
+def _dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (codes.float() * scale).to(dtype)
+
+
+class _Kernels:
+    """Eager torch until ``compile_kernels`` swaps in fused ones (one pass over memory
+    instead of four or five temporaries; 0.4-1.0 GB/s eager against 5.7-9 fused here)."""
+
+    quantize = staticmethod(_quantize)
+    dequantize = staticmethod(_dequantize)
+    compiled = False
+
+
+def compile_kernels(shape: tuple[int, int, int, int], dtype: torch.dtype, device=None) -> bool:
+    """Fuse the fp8 kernels with ``torch.compile`` and warm them on one chunk of ``shape``
+    (the compile, ~14 s once, happens here rather than on the first save or load).
+
+    Returns False, leaving eager kernels in place, where compiling fails (no compiler).
+    """
+    if _Kernels.compiled:
+        return True
+    try:
+        quantize = torch.compile(_quantize, dynamic=False)
+        dequantize = torch.compile(_dequantize, dynamic=False)
+        x = torch.randn(shape, device=device).to(dtype)
+        for dim in (2, 3):
+            codes, scale = quantize(x, dim)
+            want, _ = _quantize(x, dim)
+            dequantize(codes, scale.unsqueeze(dim), dtype)
+            agree = (codes.view(torch.uint8) == want.view(torch.uint8)).float().mean().item()
+            if agree < 0.99:
+                raise RuntimeError(f"fused fp8 codes agree with eager on only {agree:.4f}")
+    except Exception as exc:
+        log.warning("fp8 codec stays eager (torch.compile failed: %s)", exc)
+        return False
+    _Kernels.quantize, _Kernels.dequantize = quantize, dequantize
+    _Kernels.compiled = True
+    return True
+
+
+def quantize_fp8(x: torch.Tensor, reduce_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 codes and float32 scales, one scale per slice along all but ``reduce_dim``."""
+    return _Kernels.quantize(x, reduce_dim)
 
 
 def encode(k: torch.Tensor, v: torch.Tensor, codec: str) -> bytearray:
@@ -67,14 +110,22 @@ def encode(k: torch.Tensor, v: torch.Tensor, codec: str) -> bytearray:
     src = _check_kv(k, v)
     header = ChunkHeader(codec, src, *k.shape, body_len=expected_body_len(codec, src, k.shape))
     if codec == "raw":
-        parts = [_as_bytes(k), _as_bytes(v)]
+        parts = [k, v]
     elif codec == "fp8":
         k_codes, k_scale = quantize_fp8(k, reduce_dim=2)  # per channel: reduce over tokens
         v_codes, v_scale = quantize_fp8(v, reduce_dim=3)  # per token: reduce over head_dim
-        parts = [_as_bytes(k_codes), _as_bytes(v_codes), _as_bytes(k_scale), _as_bytes(v_scale)]
+        parts = [k_codes, v_codes, k_scale, v_scale]
     else:
         raise InvalidArgument(f"unknown codec {codec!r}; expected 'raw' or 'fp8'")
-    return build_payload(header, np.concatenate(parts))
+    out = bytearray(HEADER_BYTES + header.body_len)
+    body = torch.frombuffer(out, dtype=torch.uint8)[HEADER_BYTES:]
+    at = 0
+    for part in parts:  # each part copied once, straight into the payload
+        n = part.numel() * part.element_size()
+        body[at : at + n].view(part.dtype).view(part.shape).copy_(part)
+        at += n
+    seal_payload(header, out)
+    return out
 
 
 def _body_tensor(body: memoryview, copy: bool) -> torch.Tensor:
@@ -116,9 +167,9 @@ def decode(
     off = 2 * n
     k_scale = raw[off : off + 4 * layers * heads * dim].view(torch.float32)
     v_scale = raw[off + 4 * layers * heads * dim :].view(torch.float32)
-    k = (k_codes.float() * k_scale.reshape(layers, heads, 1, dim)).to(dtype)
-    v = (v_codes.float() * v_scale.reshape(layers, heads, tokens, 1)).to(dtype)
+    k = _Kernels.dequantize(k_codes, k_scale.reshape(layers, heads, 1, dim), dtype)
+    v = _Kernels.dequantize(v_codes, v_scale.reshape(layers, heads, tokens, 1), dtype)
     return k, v
 
 
-__all__ = ["HEADER_BYTES", "decode", "dtype_name", "encode", "quantize_fp8"]
+__all__ = ["HEADER_BYTES", "compile_kernels", "decode", "dtype_name", "encode", "quantize_fp8"]

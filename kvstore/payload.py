@@ -72,6 +72,20 @@ def build_payload(header: ChunkHeader, body: bytes | bytearray | memoryview) -> 
     body = memoryview(body).cast("B")
     if header.body_len != body.nbytes:
         raise PayloadError(f"body is {body.nbytes} bytes, header says {header.body_len}")
+    out = bytearray(HEADER_BYTES + body.nbytes)
+    out[HEADER_BYTES:] = body
+    seal_payload(header, out)
+    return out
+
+
+def seal_payload(header: ChunkHeader, out: bytearray | memoryview) -> None:
+    """Write the header and checksum into ``out``, whose body (after ``HEADER_BYTES``) the
+    caller already filled: encoders write the body in place instead of copying it in."""
+    view = memoryview(out).cast("B")
+    if header.body_len != view.nbytes - HEADER_BYTES:
+        raise PayloadError(
+            f"body is {view.nbytes - HEADER_BYTES} bytes, header says {header.body_len}"
+        )
     head = _HEADER.pack(
         MAGIC,
         VERSION,
@@ -83,11 +97,8 @@ def build_payload(header: ChunkHeader, body: bytes | bytearray | memoryview) -> 
         header.body_len,
         0,
     )[:-8]
-    out = bytearray(HEADER_BYTES + body.nbytes)
-    out[: len(head)] = head
-    struct.pack_into("<Q", out, len(head), _checksum(head, body))
-    out[HEADER_BYTES:] = body
-    return out
+    view[: len(head)] = head
+    struct.pack_into("<Q", view, len(head), _checksum(head, view[HEADER_BYTES:]))
 
 
 def parse_header(payload: bytes | bytearray | memoryview) -> ChunkHeader:

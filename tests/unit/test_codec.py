@@ -113,3 +113,21 @@ def test_every_malformed_payload_raises_payload_error(case):
 def test_the_unmodified_payload_parses():
     header, body = parse_payload(_payload())
     assert len(body) == header.body_len
+
+
+def test_fused_fp8_kernels_agree_with_eager_within_the_same_tolerance(monkeypatch):
+    for name in ("quantize", "dequantize", "compiled"):  # other tests keep the eager kernels
+        monkeypatch.setattr(codec._Kernels, name, getattr(codec._Kernels, name))
+    k, v = kv_with_outliers()
+    eager = codec.encode(k, v, "fp8")
+    eager_k, eager_v = codec.decode(eager)
+    assert codec.compile_kernels(SHAPE, torch.bfloat16)
+    fused = codec.encode(k, v, "fp8")
+    n = 2 * k.numel()  # the codes; scales follow
+    a = torch.frombuffer(fused, dtype=torch.uint8)[HEADER_BYTES : HEADER_BYTES + n]
+    b = torch.frombuffer(eager, dtype=torch.uint8)[HEADER_BYTES : HEADER_BYTES + n]
+    assert (a != b).sum().item() <= 0.001 * n  # multiply-by-reciprocal rounding only
+    k2, v2 = codec.decode(fused)
+    assert rel_l2(k2, k) <= 0.03 and rel_l2(v2, v) <= 0.03
+    fused_k, fused_v = codec.decode(eager)
+    assert torch.equal(fused_k, eager_k) and torch.equal(fused_v, eager_v)
