@@ -13,6 +13,11 @@ GIL, as in a deployment) and move 1 MiB ``raw`` float16 chunk payloads:
 - ``remote_get_gbps`` / ``remote_put_gbps``: ``KVStoreClient.get`` / ``put`` of whole
   chains against a ``StoreServer`` over a DRAM tier (write policy ``none``).
 - ``shm_get_gbps``: ``KVStoreClient.get_shm_into`` into torch uint8 tensors.
+- ``shm_put_gbps``: ``KVStoreClient.put(shm=True)``, the same chain as the remote put.
+- ``codec_fp8_encode_gbps`` / ``codec_fp8_decode_gbps``: ``kvstore.codec`` on one
+  Llama-3-8B chunk of 64 tokens in bfloat16 (32 layers x 8 heads x 128, 8 MiB), bytes of
+  K and V per second, with the fused kernels (``compile_kernels``; ``codec_fp8_compiled``
+  says whether they compiled); the ``_eager_`` keys are the eager kernels, best of 3.
 - ``lookup_*``: 512-key lookups of real chains (most keys matching) against a second
   server, a DRAM tier over LMDB (zstd, write-through), idle and while another process
   streams 64 MiB puts into it, over TCP and over shared memory (``service_lookup.py``);
@@ -50,7 +55,7 @@ import torch  # noqa: E402
 
 from benchmarks import service_lookup  # noqa: E402
 from benchmarks.common import chain, emit, parser  # noqa: E402
-from kvstore import wire  # noqa: E402
+from kvstore import codec, wire  # noqa: E402
 from kvstore.client import KVStoreClient  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
 from kvstore.payload import HEADER_BYTES, ChunkHeader, build_payload  # noqa: E402
@@ -206,6 +211,15 @@ class Bench:
         self.client.delete([self.put_chain[0].key])  # untimed: the next pass stores it anew
         return self.total / elapsed / 1e9
 
+    def shm_put(self) -> float:
+        t0 = time.perf_counter()
+        res = self.client.put(self.put_chain, shm=True)
+        elapsed = time.perf_counter() - t0
+        if res.stored != self.n:
+            raise RuntimeError(f"shm put stored {res.stored}/{self.n}: {res.rejected[:1]}")
+        self.client.delete([self.put_chain[0].key])  # untimed: the next pass stores it anew
+        return self.total / elapsed / 1e9
+
     def shm_get(self) -> float:
         def run() -> None:
             if self.client.get_shm_into(self.keys, self.dests) != self.n:
@@ -268,6 +282,35 @@ def concurrent(target: str, get_chain: list[ChunkRecord], seconds: float) -> dic
     return {"ops": ops, "errors": errors}
 
 
+class CodecBench:
+    """fp8 encode and decode of one Llama-3-8B chunk, eager first, then fused."""
+
+    SHAPE = (32, 8, 64, 128)
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.k = torch.randn(self.SHAPE, generator=g).to(torch.bfloat16)
+        self.v = torch.randn(self.SHAPE, generator=g).to(torch.bfloat16)
+        self.nbytes = 2 * self.k.numel() * self.k.element_size()
+        self.payload = codec.encode(self.k, self.v, "fp8")
+        self.eager = {
+            "codec_fp8_encode_eager_gbps": max(self.encode() for _ in range(3)),
+            "codec_fp8_decode_eager_gbps": max(self.decode() for _ in range(3)),
+        }
+        self.compiled = codec.compile_kernels(self.SHAPE, torch.bfloat16)
+
+    def _gbps(self, fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return self.nbytes / (time.perf_counter() - t0) / 1e9
+
+    def encode(self) -> float:
+        return self._gbps(lambda: codec.encode(self.k, self.v, "fp8"))
+
+    def decode(self) -> float:
+        return self._gbps(lambda: codec.decode(self.payload))
+
+
 def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
     load_start = os.getloadavg()[0]
@@ -290,12 +333,16 @@ def main() -> None:
         big, small, raw = conn.recv()
         bench = Bench(big, small, raw, n)
         bench.check_setup()
+        cb = CodecBench()
         cases = {
             "memcpy_gbps": bench.memcpy,
             "grpc_raw_stream_gbps": bench.raw_stream_case,
             "remote_get_gbps": bench.remote_get,
             "remote_put_gbps": bench.remote_put,
             "shm_get_gbps": bench.shm_get,
+            "shm_put_gbps": bench.shm_put,
+            "codec_fp8_encode_gbps": cb.encode,
+            "codec_fp8_decode_gbps": cb.decode,
         }
         for fn in cases.values():
             fn()  # warm up: connections, page tables, allocator
@@ -320,6 +367,8 @@ def main() -> None:
         g / r for g, r in zip(runs["remote_get_gbps"], runs["grpc_raw_stream_gbps"])
     )
     shm_ratio = best["shm_get_gbps"] / mc
+    shm_put_ratio = best["shm_put_gbps"] / mc
+    enc_ratio, dec_ratio = (best[f"codec_fp8_{op}_gbps"] / mc for op in ("encode", "decode"))
     total_ops = sum(conc["ops"].values())
     rows = [
         ("memcpy (copy bound)", f"{mc:6.2f} GB/s", ""),
@@ -335,6 +384,17 @@ def main() -> None:
             f"{best['remote_put_gbps'] / ceiling:.2f}x raw stream",
         ),
         ("shm get", f"{best['shm_get_gbps']:6.2f} GB/s", f"{shm_ratio:.2f}x memcpy"),
+        ("shm put", f"{best['shm_put_gbps']:6.2f} GB/s", f"{shm_put_ratio:.2f}x memcpy"),
+        *[
+            (
+                f"fp8 {op}",
+                f"{best[f'codec_fp8_{op}_gbps']:6.2f} GB/s",
+                f"{best[f'codec_fp8_{op}_gbps'] / mc:.2f}x memcpy "
+                f"({'fused' if cb.compiled else 'eager: compile failed'}; eager "
+                f"{cb.eager[f'codec_fp8_{op}_eager_gbps']:.2f} GB/s)",
+            )
+            for op in ("encode", "decode")
+        ],
         ("lookup 512 keys", f"p50 {p50:.3f} ms", f"p99 {p99:.3f} ms idle"),
         *[
             (
@@ -359,6 +419,9 @@ def main() -> None:
         "chunks_per_call": n,
         "passes": passes,
         **{k: round(v, 3) for k, v in best.items()},
+        **{k: round(v, 3) for k, v in cb.eager.items()},
+        "codec_fp8_compiled": cb.compiled,
+        "codec_chunk_shape": list(CodecBench.SHAPE),
         "lookup_keys": service_lookup.LOOKUP_KEYS,
         "lookup_calls": lookup_calls,
         "lookup_p50_ms": p50,
@@ -375,9 +438,16 @@ def main() -> None:
         "remote_get_over_raw_stream": round(get_ratio, 3),
         "remote_get_over_raw_stream_paired_median": round(paired, 3),
         "shm_get_over_memcpy": round(shm_ratio, 3),
+        "shm_put_over_memcpy": round(shm_put_ratio, 3),
+        "codec_fp8_encode_over_memcpy": round(enc_ratio, 3),
+        "codec_fp8_decode_over_memcpy": round(dec_ratio, 3),
         "goals": {
             "remote_get_ge_0.8x_raw_stream": paired >= 0.8,
             "shm_get_ge_0.7x_memcpy": shm_ratio >= 0.7,
+            "shm_get_ge_0.8x_memcpy": shm_ratio >= 0.8,
+            "shm_put_ge_0.5x_memcpy": shm_put_ratio >= 0.5,
+            "codec_fp8_encode_ge_0.5x_memcpy": enc_ratio >= 0.5,
+            "codec_fp8_decode_ge_0.5x_memcpy": dec_ratio >= 0.5,
             "lookup_p50_le_2ms": p50 <= 2.0,
             "lookup_p99_under_put_le_5ms": lk["lookup_p99_under_put_ms"] <= 5.0,
             "lookup_matches_right": lk["lookup_wrong_matches"] == 0,
