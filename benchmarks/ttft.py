@@ -14,6 +14,9 @@ processes, all started by this script, all measured in the same run:
   (connector, prefix caching on) has never seen it and loads it from the store.
 - (d) ``kvstore_fp8``: the same with a pair of fp8 nodes.
 
+All servers here share the store's host, so the connector's ``auto`` transport copies
+through shared memory; ``--transport tcp`` measures what a store on another node costs.
+
 Every request is prefix + 16 fresh tokens; each measured prefix is new to the node
 it is measured on (except in (b), on purpose), and the tokens the server reports
 cached are checked: 0 for (a), the whole prefix for (b)-(d). TTFT is measured by
@@ -108,11 +111,12 @@ def build_model(path: Path) -> Path:
     )
 
 
-def connector(store: str, codec: str) -> dict:
+def connector(store: str, codec: str, transport: str = "auto") -> dict:
     return kv_transfer_config(
         store,
         codec,
         CHUNK_TOKENS,
+        transport=transport,
         lookup_timeout_s=2.0,
         load_timeout_s=30.0,
         save_timeout_s=60.0,
@@ -168,7 +172,7 @@ class Bench:
         env = {} if args.gpu else CPU_ENV
 
         def server(name, codec=None, prefix_caching=False):
-            kv = connector(self.store.address, codec) if codec else None
+            kv = connector(self.store.address, codec, self.args.transport) if codec else None
             return OpenAIServer(
                 name,
                 self.model,
@@ -300,6 +304,12 @@ def main() -> None:
     p.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="built here when missing")
     p.add_argument("--gpu", action="store_true", help="vllm==0.33 on a GPU: bf16, block 16")
     p.add_argument("--server-args", default=None, help="extra vLLM server flags")
+    p.add_argument(
+        "--transport",
+        choices=("auto", "shm", "tcp"),
+        default="auto",
+        help="the connector's transport: tcp is what a store on another node gets",
+    )
     p.add_argument("--batched-tokens", type=int, default=2048, help="--max-num-batched-tokens")
     args = p.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # progress shows up in logs as it happens
@@ -353,6 +363,7 @@ def main() -> None:
     result = {
         "device": "gpu" if args.gpu else "vllm-cpu",
         "quick": args.quick,
+        "transport": args.transport,
         "requests_per_point": args.requests,
         "ttft_ms": {c: {n: round(ms, 1) for n, ms in v.items()} for c, v in median.items()},
         "ttft_p90_ms": {c: {n: round(ms, 1) for n, ms in v.items()} for c, v in p90.items()},
