@@ -376,6 +376,9 @@ class KVStoreClient:
 
     def close(self) -> None:
         self._shm.close()
+        from kvstore.shm_writer import close_region
+
+        close_region(self)
         self._channel.close()
 
     def __enter__(self) -> KVStoreClient:

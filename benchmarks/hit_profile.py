@@ -1,0 +1,121 @@
+"""Where a store hit's time goes in the connector: lookup, transfer, decode, copy into blocks.
+
+Usage: ``python benchmarks/hit_profile.py [--quick]``. Prints one line per case, then one
+JSON object, also written to ``benchmarks/results/hit_profile.json``.
+
+A ``kvstore serve`` process (DRAM tier) holds prefixes saved by a real ``WorkerHalf``
+from a paged CPU cache of ``ttft.py``'s model (2 layers, 1 KV head x 64, float32,
+block 32, chunk 256 tokens); a second ``WorkerHalf`` loads them into other blocks, each
+stage timed apart as the connector runs it: ``lookup`` (the scheduler's one Lookup with a
+lease), ``transfer`` (gRPC Get, or shared memory into the staging buffer), ``decode``
+(``codec.decode``), ``scatter`` (into the paged blocks). Cases: transport ``tcp`` or
+``shm`` x codec ``raw`` or ``fp8`` (fp8 eager, then fused). Medians of the repeats.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks.common import emit, parser  # noqa: E402
+from connector.config import ConnectorConfig  # noqa: E402
+from connector.layouts import CpuLayout  # noqa: E402
+from connector.plan import KVStoreMetadata, SaveSpec  # noqa: E402
+from connector.worker import WorkerHalf  # noqa: E402
+from kvstore import codec  # noqa: E402
+from kvstore.keys import Namespace, chunk_keys, part_key  # noqa: E402
+from tests.procs import KVSTORE, Served, store_config  # noqa: E402
+
+BLOCK, CHUNK, LAYERS, HEADS, DIM = 32, 256, 2, 1, 64
+
+
+def worker(store: str, codec_name: str, transport: str, blocks: int) -> WorkerHalf:
+    extra = {"store": store, "codec": codec_name, "chunk_tokens": CHUNK, "transport": transport}
+    cfg = ConnectorConfig.from_extra({**extra, "compile_codec": False}, BLOCK)
+    ns = Namespace("profile", "r0", LAYERS, HEADS, DIM, CHUNK, codec_name, salt="float32")
+    w = WorkerHalf(cfg, ns, BLOCK, 0, lambda kv, name: CpuLayout(BLOCK, DIM))
+    g = torch.Generator().manual_seed(0)
+    caches = {
+        f"model.layers.{i}.self_attn.attn": torch.randn(blocks, HEADS, BLOCK, 2 * DIM, generator=g)
+        for i in range(LAYERS)
+    }
+    w.register(caches)
+    return w
+
+
+def profile(store: str, codec_name: str, transport: str, tokens: int, repeats: int) -> dict:
+    blocks = tokens // BLOCK
+    saver = worker(store, codec_name, "tcp", blocks + 1)
+    ns = saver.ns
+    keys = chunk_keys(ns.digest(), list(range(tokens)), CHUNK)
+    saver.save(KVStoreMetadata(saves=[SaveSpec("p", keys, None, list(range(blocks)))]))
+    saver.flush(60)
+    loader = worker(store, codec_name, transport, blocks + 1)
+    client = loader.client
+    parts = [part_key(k, 0, 1) for k in keys]
+    bpc = CHUNK // BLOCK
+    stages: dict[str, list[float]] = {s: [] for s in ("lookup", "transfer", "decode", "scatter")}
+    for _ in range(repeats + 1):  # the first warms connections, mappings and staging
+        t0 = time.perf_counter()
+        hit = client.lookup(keys, lease_ttl_s=30.0)
+        t1 = time.perf_counter()
+        payloads = loader._fetch(parts)
+        t2 = time.perf_counter()
+        decoded = [codec.decode(p) for p in payloads]
+        t3 = time.perf_counter()
+        for j, (k, v) in enumerate(decoded):
+            ids = list(range(j * bpc, (j + 1) * bpc))
+            for layer, cache in enumerate(loader._layers):
+                loader._layout.scatter(cache, ids, k[layer], v[layer])
+        t4 = time.perf_counter()
+        if hit.matched != len(keys) or len(payloads) != len(keys):
+            raise RuntimeError(f"hit {hit.matched}/{len(keys)}, got {len(payloads)}")
+        if hit.lease_id:
+            client.release(hit.lease_id)
+        for name, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            stages[name].append(dt)
+    ms = {name: round(1e3 * statistics.median(v[1:]), 3) for name, v in stages.items()}
+    saver.close()
+    loader.close()
+    return {**ms, "total": round(sum(ms.values()), 3)}
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0]).parse_args()
+    lengths, repeats = ([4096], 5) if args.quick else ([4096, 16384], 9)
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        conf = store_config(Path(tmp) / "store.yaml", Path(tmp) / "lmdb", dram="512MiB")
+        store = Served([KVSTORE, "serve", "--config", str(conf)])
+        try:
+            for fused in (False, True):
+                if fused and not codec.compile_kernels((LAYERS, HEADS, CHUNK, DIM), torch.float32):
+                    break
+                for codec_name in ("raw", "fp8"):
+                    if fused and codec_name == "raw":
+                        continue
+                    for transport in ("tcp", "shm"):
+                        for n in lengths:
+                            name = f"{codec_name}{'_fused' if fused else ''}_{transport}_{n}"
+                            r = profile(store.address, codec_name, transport, n, repeats)
+                            results[name] = r
+                            print(
+                                f"{name:<20} total {r['total']:7.2f} ms: "
+                                + ", ".join(f"{s} {r[s]:.2f}" for s in list(r)[:4]),
+                                flush=True,
+                            )
+        finally:
+            store.stop()
+    emit("hit_profile", {"quick": args.quick, "repeats": repeats, "cases": results}, args.out)
+
+
+if __name__ == "__main__":
+    main()
