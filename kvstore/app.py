@@ -40,21 +40,27 @@ class Running:
                 self.metrics.close()
 
 
+def limits_of(config: Config) -> Limits:
+    """The service limits a config asks for."""
+    s = config.server
+    return Limits(
+        max_keys_per_request=s.max_keys_per_request,
+        max_chunk_bytes=s.max_chunk_bytes,
+        default_lease_ttl_s=config.store.lease_ttl_s,
+        max_lease_ttl_s=config.store.max_lease_ttl_s,
+        shm=s.shm,
+        max_leases_per_client=s.max_leases_per_client,
+        max_streams_per_client=s.max_streams_per_client,
+        max_inflight_bytes_per_client=s.max_inflight_bytes_per_client,
+    )
+
+
 def start(config: Config) -> Running:
     store = build_store(config)
     try:
         metrics = Metrics(store.stats)
         s = config.server
-        limits = Limits(
-            max_keys_per_request=s.max_keys_per_request,
-            max_chunk_bytes=s.max_chunk_bytes,
-            default_lease_ttl_s=config.store.lease_ttl_s,
-            max_lease_ttl_s=config.store.max_lease_ttl_s,
-            shm=s.shm,
-            max_leases_per_client=s.max_leases_per_client,
-            max_streams_per_client=s.max_streams_per_client,
-            max_inflight_bytes_per_client=s.max_inflight_bytes_per_client,
-        )
+        limits = limits_of(config)
         server = StoreServer(
             store,
             s.listen,

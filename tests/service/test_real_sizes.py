@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 
 from kvstore import codec
+from kvstore.app import limits_of
 from kvstore.client import ClientOptions, KVStoreClient
 from kvstore.config import load_config
 from kvstore.factory import build_store
 from kvstore.keys import Namespace, chunk_keys
-from kvstore.service import Limits
 from kvstore.types import ChunkRecord
 from tests.chunks import chain, keys_of, payloads_of
 
@@ -50,15 +50,7 @@ def default_store(lmdb):
     """The store ``kvstore serve`` builds from the default config, its LMDB in ``lmdb``,
     and the service limits it would serve it with."""
     config = load_config(env={}, overrides={"nvme.path": str(lmdb)})
-    s = config.server
-    limits = Limits(
-        max_keys_per_request=s.max_keys_per_request,
-        max_chunk_bytes=s.max_chunk_bytes,
-        default_lease_ttl_s=config.store.lease_ttl_s,
-        max_lease_ttl_s=config.store.max_lease_ttl_s,
-        shm=s.shm,
-    )
-    return build_store(config), limits, s.max_message_bytes
+    return build_store(config), limits_of(config), config.server.max_message_bytes
 
 
 def serve_default(serve, lmdb):
