@@ -124,11 +124,15 @@ def model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(model, tmp_path_factory):
-    """One store and the engines that share it: ref (no connector), A, B (raw)."""
+    """One store and the engines that share it: ref (no connector), A, B (raw).
+
+    A saves over TCP, as from another node; B, on the store's host, loads and saves
+    through shared memory (``transport`` auto); the fp8 pair loads over TCP."""
     work = tmp_path_factory.mktemp("cluster")
     cfg = store_config(work / "kvstore.yaml", work / "lmdb")
     store = Served([KVSTORE, "serve", "--config", str(cfg)])
-    engines = start_engines(model, [None, connector(store.address), connector(store.address)])
+    a, b = connector(store.address, transport="tcp"), connector(store.address)
+    engines = start_engines(model, [None, a, b])
     state = {"store": store, "cfg": cfg, "ref": engines[0], "a": engines[1], "b": engines[2]}
     yield state
     for e in engines:
@@ -179,7 +183,7 @@ def test_b_loads_a_prefix_that_a_prefilled_and_matches_recompute_exactly(cluster
 
 def test_fp8_codec_loads_and_reports_agreement(model, cluster):
     store = cluster["store"]
-    a8, b8 = start_engines(model, [connector(store.address, "fp8")] * 2)
+    a8, b8 = start_engines(model, [connector(store.address, "fp8", transport="tcp")] * 2)
     try:
         prefix = tokens(10, PREFIX)
         a8.generate(prefix + tokens(11, 20))
