@@ -15,10 +15,10 @@ import argparse
 import logging
 import sys
 
-from kvstore.app import serve
-from kvstore.config import load_config
-from kvstore.config_cli import add_cli_flags, overrides_from_args
-from kvstore.types import KVStoreError
+from kvstore.core.types import KVStoreError
+from kvstore.server.app import serve
+from kvstore.server.config import load_config
+from kvstore.server.config_cli import add_cli_flags, overrides_from_args
 
 
 def main() -> int:

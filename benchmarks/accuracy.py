@@ -35,10 +35,10 @@ import torch  # noqa: E402
 
 from benchmarks.common import RESULTS, Progress, emit, parser  # noqa: E402
 from benchmarks.recall_task import MODEL_DIR, haystack_batch, load_or_train  # noqa: E402
-from kvstore import codec as kvcodec  # noqa: E402
 from kvstore.client import KVStoreClient  # noqa: E402
-from kvstore.keys import Namespace, chunk_keys  # noqa: E402
-from kvstore.types import ChunkRecord  # noqa: E402
+from kvstore.core import codec as kvcodec  # noqa: E402
+from kvstore.core.keys import Namespace, chunk_keys  # noqa: E402
+from kvstore.core.types import ChunkRecord  # noqa: E402
 from tests.procs import KVSTORE, Served, store_config  # noqa: E402
 
 CHUNK_TOKENS = 256

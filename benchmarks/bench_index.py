@@ -20,7 +20,7 @@ import tracemalloc
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import emit, parser  # noqa: E402
-from kvstore.index import RadixIndex, TierSpec  # noqa: E402
+from kvstore.server.index import RadixIndex, TierSpec  # noqa: E402
 
 CHAIN = 64  # chunks per prompt: 8K tokens at 128 tokens per chunk
 SIZE = 1 << 20

@@ -14,7 +14,7 @@ GIL, as in a deployment) and move 1 MiB ``raw`` float16 chunk payloads:
   chains against a ``StoreServer`` over a DRAM tier (write policy ``none``).
 - ``shm_get_gbps``: ``KVStoreClient.get_shm_into`` into torch uint8 tensors.
 - ``shm_put_gbps``: ``KVStoreClient.put(shm=True)``, the same chain as the remote put.
-- ``codec_fp8_encode_gbps`` / ``codec_fp8_decode_gbps``: ``kvstore.codec`` on one
+- ``codec_fp8_encode_gbps`` / ``codec_fp8_decode_gbps``: ``kvstore.core.codec`` on one
   Llama-3-8B chunk of 64 tokens in bfloat16 (32 layers x 8 heads x 128, 8 MiB), bytes of
   K and V per second, with the fused kernels (``compile_kernels``; ``codec_fp8_compiled``
   says whether they compiled); the ``_eager_`` keys are the eager kernels, best of 3.
@@ -55,12 +55,12 @@ import torch  # noqa: E402
 
 from benchmarks import service_lookup  # noqa: E402
 from benchmarks.common import chain, emit, parser  # noqa: E402
-from kvstore import codec, wire  # noqa: E402
 from kvstore.client import KVStoreClient  # noqa: E402
-from kvstore.keys import Namespace  # noqa: E402
-from kvstore.payload import HEADER_BYTES, ChunkHeader, build_payload  # noqa: E402
-from kvstore.tiers.extents import ExtentTable  # noqa: E402
-from kvstore.types import ChunkRecord  # noqa: E402
+from kvstore.core import codec, wire  # noqa: E402
+from kvstore.core.keys import Namespace  # noqa: E402
+from kvstore.core.payload import HEADER_BYTES, ChunkHeader, build_payload  # noqa: E402
+from kvstore.core.types import ChunkRecord  # noqa: E402
+from kvstore.server.tiers.extents import ExtentTable  # noqa: E402
 
 BIG = Namespace("bench-service", "r0", 4, 8, 64, 128, "raw")  # 1 MiB of fp16 K+V per chunk
 PAGE = 4096
@@ -91,9 +91,9 @@ def prefaulted(nbytes: int) -> torch.Tensor:
 
 
 def serve(conn, big_chunks: int, raw_len: int, raw_count: int, put_bytes: int) -> None:
-    from kvstore.grpc_server import StoreServer
-    from kvstore.store import TieredStore
-    from kvstore.tiers.dram import DramTier
+    from kvstore.server.grpc_server import StoreServer
+    from kvstore.server.store import TieredStore
+    from kvstore.server.tiers.dram import DramTier
 
     tmp = tempfile.mkdtemp(prefix="bench-service-")
     cost = ExtentTable.cost(HEADER_BYTES + body_bytes(BIG))

@@ -39,10 +39,10 @@ import zstandard  # noqa: E402
 
 from benchmarks import tiers_mixed  # noqa: E402
 from benchmarks.common import LLAMA8B_CHUNK, chunk_len  # noqa: E402
-from kvstore.tiers.dram import DramTier  # noqa: E402
-from kvstore.tiers.extents import ExtentTable  # noqa: E402
-from kvstore.tiers.nvme import NvmeTier  # noqa: E402
-from kvstore.types import ChunkRecord  # noqa: E402
+from kvstore.core.types import ChunkRecord  # noqa: E402
+from kvstore.server.tiers.dram import DramTier  # noqa: E402
+from kvstore.server.tiers.extents import ExtentTable  # noqa: E402
+from kvstore.server.tiers.nvme import NvmeTier  # noqa: E402
 
 LLAMA = "llama8b_fp8"
 SIZES = {

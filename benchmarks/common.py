@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvstore.keys import Namespace, chunk_keys
-from kvstore.payload import HEADER_BYTES, ChunkHeader, build_payload, expected_body_len
-from kvstore.types import ChunkRecord
+from kvstore.core.keys import Namespace, chunk_keys
+from kvstore.core.payload import HEADER_BYTES, ChunkHeader, build_payload, expected_body_len
+from kvstore.core.types import ChunkRecord
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 

@@ -33,10 +33,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import emit, parser  # noqa: E402
-from kvstore import codec  # noqa: E402
 from kvstore.client import ClientError, ClientOptions, KVStoreClient  # noqa: E402
-from kvstore.keys import Namespace, chunk_keys  # noqa: E402
-from kvstore.types import ChunkRecord  # noqa: E402
+from kvstore.core import codec  # noqa: E402
+from kvstore.core.keys import Namespace, chunk_keys  # noqa: E402
+from kvstore.core.types import ChunkRecord  # noqa: E402
 from tests.procs import KVSTORE, Served, free_port, store_config  # noqa: E402
 
 NS = Namespace("crash-loop", "r0", 4, 2, 64, 512, "raw")  # 1 MiB fp16 chunks

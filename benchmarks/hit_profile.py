@@ -30,8 +30,8 @@ from connector.config import ConnectorConfig  # noqa: E402
 from connector.layouts import CpuLayout  # noqa: E402
 from connector.plan import KVStoreMetadata, SaveSpec  # noqa: E402
 from connector.worker import WorkerHalf  # noqa: E402
-from kvstore import codec  # noqa: E402
-from kvstore.keys import Namespace, chunk_keys, part_key  # noqa: E402
+from kvstore.core import codec  # noqa: E402
+from kvstore.core.keys import Namespace, chunk_keys, part_key  # noqa: E402
 from tests.procs import KVSTORE, Served, store_config  # noqa: E402
 
 BLOCK, CHUNK, LAYERS, HEADS, DIM = 32, 256, 2, 1, 64

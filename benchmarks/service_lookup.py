@@ -30,7 +30,7 @@ import numpy as np
 
 from benchmarks.common import LLAMA8B_CHUNK, chain, chunk_len, chunk_payload
 from kvstore.client import ClientOptions, KVStoreClient
-from kvstore.keys import Namespace
+from kvstore.core.keys import Namespace
 
 SMALL = Namespace("bench-service-small", "r0", 1, 1, 8, 16, "raw")  # 512 B per chunk
 LOOKUP_KEYS = 512
@@ -57,9 +57,9 @@ DRAM_BYTES = 512 << 20
 
 def tiered_store(tmp: str, put_bytes: int):
     """DRAM over LMDB with zstd, write-through: what a put pays for, under the writer lock."""
-    from kvstore.store import TieredStore
-    from kvstore.tiers.dram import DramTier
-    from kvstore.tiers.nvme import NvmeTier
+    from kvstore.server.store import TieredStore
+    from kvstore.server.tiers.dram import DramTier
+    from kvstore.server.tiers.nvme import NvmeTier
 
     nvme = NvmeTier(tmp, map_size=2 * put_bytes + (1 << 30), compression="zstd")
     return TieredStore([DramTier(DRAM_BYTES), nvme], write_policy="write_through")

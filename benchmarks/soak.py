@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import emit, parser  # noqa: E402
 from kvstore.client import ClientOptions, KVStoreClient  # noqa: E402
-from kvstore.keys import Namespace, chunk_keys  # noqa: E402
-from kvstore.payload import ChunkHeader, build_payload, expected_body_len  # noqa: E402
-from kvstore.types import ChunkRecord  # noqa: E402
+from kvstore.core.keys import Namespace, chunk_keys  # noqa: E402
+from kvstore.core.payload import ChunkHeader, build_payload, expected_body_len  # noqa: E402
+from kvstore.core.types import ChunkRecord  # noqa: E402
 from tests.procs import KVSTORE, Served, store_config  # noqa: E402
 
 DRAM = 96 << 20

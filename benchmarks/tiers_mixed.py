@@ -24,11 +24,11 @@ import tempfile
 import time
 
 from benchmarks.common import LLAMA8B_CHUNK, chunk_payload
-from kvstore.keys import Namespace
-from kvstore.store import TieredStore
-from kvstore.tiers.dram import DramTier
-from kvstore.tiers.nvme import NvmeTier
-from kvstore.types import ChunkRecord
+from kvstore.core.keys import Namespace
+from kvstore.core.types import ChunkRecord
+from kvstore.server.store import TieredStore
+from kvstore.server.tiers.dram import DramTier
+from kvstore.server.tiers.nvme import NvmeTier
 
 # name: (codec, source dtype, (layers, kv_heads, tokens, head_dim), weight by count)
 SHAPES = {

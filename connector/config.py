@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-from kvstore.keys import CODECS
+from kvstore.core.keys import CODECS
 
 
 class ConnectorConfigError(ValueError):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from kvstore.keys import chunk_keys, request_root
+from kvstore.core.keys import chunk_keys, request_root
 
 
 def request_identity(request) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """Adapters between an engine's paged KV cache (one tensor per layer) and canonical K/V.
 
-Canonical (see ``kvstore.codec``): per layer, K and V as ``[kv_heads, tokens, head_dim]``; a
+Canonical (see ``kvstore.core.codec``): per layer, K and V as ``[kv_heads, tokens, head_dim]``; a
 chunk stacks layers into ``[layers, kv_heads, tokens, head_dim]``.
 
 Offers:

@@ -7,7 +7,7 @@ would compute different KV never share a namespace.
 
 from __future__ import annotations
 
-from kvstore.keys import Namespace
+from kvstore.core.keys import Namespace
 
 
 def engine_namespace(vllm_config, chunk_tokens: int, codec: str, salt: str | None) -> Namespace:

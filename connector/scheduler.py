@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from connector.config import ConnectorConfig
 from connector.identity import RequestChain, unkeyable
 from connector.plan import KVStoreMetadata, LoadSpec, SaveSpec
-from kvstore.keys import Namespace, part_key
+from kvstore.core.keys import Namespace, part_key
 
 log = logging.getLogger(__name__)
 

@@ -32,10 +32,10 @@ import torch
 
 from connector.config import ConnectorConfig
 from connector.plan import KVStoreMetadata, LoadSpec, SaveSpec
-from kvstore import codec
-from kvstore.keys import Namespace, part_key
-from kvstore.payload import expected_body_len
-from kvstore.types import ChunkRecord
+from kvstore.core import codec
+from kvstore.core.keys import Namespace, part_key
+from kvstore.core.payload import expected_body_len
+from kvstore.core.types import ChunkRecord
 
 log = logging.getLogger(__name__)
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 
 from kvstore import __version__
-from kvstore.types import KVStoreError
+from kvstore.core.types import KVStoreError
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -165,7 +165,7 @@ def format_rates(r: dict | None) -> str:
 
 def _client(args):
     from kvstore.client import ClientOptions, KVStoreClient
-    from kvstore.tls import ClientAuth
+    from kvstore.rpc.tls import ClientAuth
 
     auth = ClientAuth.from_env().with_files(
         ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key, token_file=args.token_file
@@ -174,9 +174,9 @@ def _client(args):
 
 
 def cmd_serve(args) -> int:
-    from kvstore.app import serve
-    from kvstore.config import load_config
-    from kvstore.config_cli import overrides_from_args
+    from kvstore.server.app import serve
+    from kvstore.server.config import load_config
+    from kvstore.server.config_cli import overrides_from_args
 
     config = load_config(args.config, overrides=overrides_from_args(args))
     if args.print_config:
@@ -206,8 +206,8 @@ def cmd_stats(args) -> int:
 def _shard_stats(args) -> int:
     """Every shard of a sharded deployment (``--address a:1,b:2`` or ``dns:NAME:PORT``)."""
     from kvstore.client import ClientOptions
-    from kvstore.shards import ShardedClient
-    from kvstore.tls import ClientAuth
+    from kvstore.client.shards import ShardedClient
+    from kvstore.rpc.tls import ClientAuth
 
     if args.watch is not None:
         raise KVStoreError("--watch takes one store; name one shard's address")
@@ -300,7 +300,7 @@ def cmd_ping(args) -> int:
 
 
 def cmd_keys(args) -> int:
-    from kvstore.keys import Namespace, chunk_keys
+    from kvstore.core.keys import Namespace, chunk_keys
 
     try:
         fields = json.loads(args.namespace_json)
@@ -329,7 +329,7 @@ def build_parser(serve_flags: bool = True) -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the store (gRPC + /metrics)")
     if serve_flags:
-        from kvstore.config_cli import add_cli_flags
+        from kvstore.server.config_cli import add_cli_flags
 
         add_cli_flags(serve)
     serve.add_argument("--print-config", action="store_true", help="print the merged config")

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from kvstore import codec
-from kvstore.keys import Namespace, chunk_keys
-from kvstore.tiers.extents import ExtentTable
-from kvstore.types import ChunkRecord
+from kvstore.core import codec
+from kvstore.core.keys import Namespace, chunk_keys
+from kvstore.core.types import ChunkRecord
+from kvstore.server.tiers.extents import ExtentTable
 
 SHAPE = (2, 2, 32, 64)  # 32 KiB of fp16 K+V per chunk
 NAMESPACE = Namespace("tiny-test", "r0", SHAPE[0], SHAPE[1], SHAPE[3], SHAPE[2], "raw")

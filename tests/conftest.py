@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from kvstore.store import TieredStore
-from kvstore.tiers.dram import DramTier
-from kvstore.tiers.nvme import NvmeTier
+from kvstore.server.store import TieredStore
+from kvstore.server.tiers.dram import DramTier
+from kvstore.server.tiers.nvme import NvmeTier
 from tests.chunks import CHUNK_COST
 from tests.shm_regions import left_behind
 

@@ -14,7 +14,7 @@ from concurrent import futures
 
 import grpc
 
-from kvstore.pb import SERVICE
+from kvstore.rpc.pb import SERVICE
 
 _OPTIONS = [
     ("grpc.max_send_message_length", 65 << 20),

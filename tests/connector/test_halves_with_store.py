@@ -18,10 +18,10 @@ from connector.plan import KVStoreMetadata, LoadSpec, SaveSpec
 from connector.scheduler import SchedulerHalf
 from connector.worker import WorkerHalf
 from kvstore.client import KVStoreClient
-from kvstore.grpc_server import StoreServer
-from kvstore.keys import Namespace, chunk_keys
-from kvstore.store import TieredStore
-from kvstore.tiers.dram import DramTier
+from kvstore.core.keys import Namespace, chunk_keys
+from kvstore.server.grpc_server import StoreServer
+from kvstore.server.store import TieredStore
+from kvstore.server.tiers.dram import DramTier
 
 BLOCK, CHUNK, LAYERS, HEADS, DIM = 32, 64, 2, 2, 32
 NS = Namespace("tiny", "r0", LAYERS, HEADS, DIM, CHUNK, "raw", salt="kv_dtype=float32")

@@ -240,7 +240,7 @@ def stacked(per_layer) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_chunk_round_trip_through_the_codec_between_layouts():
     """Saved from a CPU engine (vec), loaded into an AMX one and a GPU-style one: same K/V."""
-    codec = pytest.importorskip("kvstore.codec")
+    codec = pytest.importorskip("kvstore.core.codec")
     src = [torch.randn(NUM_BLOCKS, H, N, 2 * D).bfloat16() for _ in range(2)]
     vec = CpuLayout(N, D)
     k, v = stacked([vec.gather(layer, [2, 5]) for layer in src])

@@ -17,10 +17,10 @@ from connector.layouts import CpuLayout
 from connector.plan import KVStoreMetadata, SaveSpec
 from connector.scheduler import SchedulerHalf
 from kvstore.client import KVStoreClient
-from kvstore.grpc_server import StoreServer
-from kvstore.keys import chunk_keys
-from kvstore.store import TieredStore
-from kvstore.tiers.dram import DramTier
+from kvstore.core.keys import chunk_keys
+from kvstore.server.grpc_server import StoreServer
+from kvstore.server.store import TieredStore
+from kvstore.server.tiers.dram import DramTier
 from tests.connector.test_halves_with_store import BLOCK, CHUNK, NS, config, paged_cache, worker
 
 vllm = pytest.importorskip("vllm")

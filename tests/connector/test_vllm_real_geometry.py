@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from kvstore.client import ClientOptions, KVStoreClient
-from kvstore.keys import Namespace, chunk_keys
-from kvstore.payload import HEADER_BYTES, parse_header
+from kvstore.core.keys import Namespace, chunk_keys
+from kvstore.core.payload import HEADER_BYTES, parse_header
 from tests.procs import KVSTORE, ROOT, Served, store_config, wait_for_chunks
 
 pytest.importorskip("vllm")

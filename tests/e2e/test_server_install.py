@@ -53,7 +53,8 @@ def test_the_server_install_has_no_torch_and_its_imports_never_reach_for_it(serv
     py = str(server_venv / "bin" / "python")
     assert run([py, "-c", "import torch"]).returncode != 0, "torch was installed"
     probe = (
-        "import sys, kvstore, kvstore.app, kvstore.cli, kvstore.client, kvstore.factory; "
+        "import sys, kvstore, kvstore.server.app, kvstore.cli, kvstore.client, "
+        "kvstore.server.factory; "
         "print(kvstore.__file__); print(sorted(m for m in sys.modules if 'torch' in m))"
     )
     out = run([py, "-c", probe], cwd=server_venv)

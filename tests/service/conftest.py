@@ -15,10 +15,10 @@ import grpc
 import pytest
 
 from kvstore.client import ClientOptions, KVStoreClient
-from kvstore.grpc_server import StoreServer
-from kvstore.pb import SERVICE, pb
-from kvstore.service import Limits
-from kvstore.store import TieredStore
+from kvstore.rpc.pb import SERVICE, pb
+from kvstore.server.grpc_server import StoreServer
+from kvstore.server.service import Limits
+from kvstore.server.store import TieredStore
 from tests.chunks import keys_of, payloads_of  # noqa: F401  (re-exported for the tests)
 
 

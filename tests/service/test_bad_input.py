@@ -9,11 +9,11 @@ import time
 import grpc
 import pytest
 
-from kvstore import wire
 from kvstore.client import ClientError, KVStoreClient
-from kvstore.pb import SERVICE, pb
-from kvstore.service import Limits
-from kvstore.types import ChunkRecord
+from kvstore.core import wire
+from kvstore.core.types import ChunkRecord
+from kvstore.rpc.pb import SERVICE, pb
+from kvstore.server.service import Limits
 from tests.chunks import chain
 from tests.service.conftest import keys_of, payloads_of
 

@@ -15,9 +15,9 @@ from kvstore.client import (
     ClientError,
     ClientOptions,
     KVStoreClient,
-    _channel_options,
 )
-from kvstore.grpc_server import StoreServer
+from kvstore.client.grpc_client import _channel_options
+from kvstore.server.grpc_server import StoreServer
 from tests.chunks import chain
 from tests.procs import free_port
 from tests.service.conftest import keys_of, payloads_of

@@ -16,7 +16,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.client import ClientError, KVStoreClient
-from kvstore.metrics import Metrics
+from kvstore.server.metrics import Metrics
 from tests.chunks import chain, keys_of
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"

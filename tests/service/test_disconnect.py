@@ -8,8 +8,8 @@ import time
 import grpc
 import pytest
 
-from kvstore import wire
 from kvstore.client import KVStoreClient
+from kvstore.core import wire
 from tests.chunks import chain
 from tests.service.conftest import keys_of, payloads_of
 

@@ -17,11 +17,11 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from kvstore import wire
 from kvstore.client import KVStoreClient
-from kvstore.payload import HEADER_BYTES
-from kvstore.pb import SERVICE, pb
-from kvstore.types import ChunkRecord
+from kvstore.core import wire
+from kvstore.core.payload import HEADER_BYTES
+from kvstore.core.types import ChunkRecord
+from kvstore.rpc.pb import SERVICE, pb
 from tests.chunks import chain, keys_of, payloads_of
 
 EXAMPLES = int(os.environ.get("KVSTORE_FUZZ_EXAMPLES", "1500"))
@@ -76,10 +76,10 @@ class Wire:
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    from kvstore.grpc_server import StoreServer
-    from kvstore.store import TieredStore
-    from kvstore.tiers.dram import DramTier
-    from kvstore.tiers.nvme import NvmeTier
+    from kvstore.server.grpc_server import StoreServer
+    from kvstore.server.store import TieredStore
+    from kvstore.server.tiers.dram import DramTier
+    from kvstore.server.tiers.nvme import NvmeTier
 
     path = tmp_path_factory.mktemp("fuzz")
     store = TieredStore([DramTier(32 << 20), NvmeTier(str(path / "lmdb"), 256 << 20)])

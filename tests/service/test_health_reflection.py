@@ -9,7 +9,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvstore.client import ClientError, ClientOptions, KVStoreClient
-from kvstore.pb import SERVICE
+from kvstore.rpc.pb import SERVICE
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from kvstore import codec
-from kvstore.app import limits_of
 from kvstore.client import ClientOptions, KVStoreClient
-from kvstore.config import load_config
-from kvstore.factory import build_store
-from kvstore.keys import Namespace, chunk_keys
-from kvstore.types import ChunkRecord
+from kvstore.core import codec
+from kvstore.core.keys import Namespace, chunk_keys
+from kvstore.core.types import ChunkRecord
+from kvstore.server.app import limits_of
+from kvstore.server.config import load_config
+from kvstore.server.factory import build_store
 from tests.chunks import chain, keys_of, payloads_of
 
 N = 8

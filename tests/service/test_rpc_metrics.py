@@ -13,12 +13,12 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore import codec
 from kvstore.client import ClientError, KVStoreClient
-from kvstore.keys import Namespace, chunk_keys
-from kvstore.metrics import REJECT_REASONS, STORE_REJECT_REASONS, Metrics
-from kvstore.pb import SERVICE, pb
-from kvstore.types import ChunkRecord
+from kvstore.core import codec
+from kvstore.core.keys import Namespace, chunk_keys
+from kvstore.core.types import ChunkRecord
+from kvstore.rpc.pb import SERVICE, pb
+from kvstore.server.metrics import REJECT_REASONS, STORE_REJECT_REASONS, Metrics
 from tests.chunks import chain, keys_of
 
 MiB = 1 << 20
@@ -82,9 +82,10 @@ def test_a_streamed_get_is_timed_until_its_last_chunk_is_sent(metered):
     assert n == 12
     count, seconds = get_calls(metrics)
     assert count == 1
-    # the reader spent 1.2 s; at most a few chunks fit in the transport's buffers, so the
-    # server's own call lasted most of that (it was recorded in ~1 ms before the fix)
-    assert 0.5 < seconds <= reader_s + 0.05, (seconds, reader_s)
+    # the reader spent 1.2 s; only some chunks fit in the transport's buffers (how many
+    # depends on gRPC's flow-control windows), so the server's own call lasted a good part
+    # of that (it was recorded in ~1 ms before the fix)
+    assert 0.25 * reader_s < seconds <= reader_s + 0.05, (seconds, reader_s)
     out = samples(metrics)[("kvstore_wire_bytes_total", frozenset({"direction": "out"}.items()))]
     assert out >= sum(len(r.payload) for r in records)
 

@@ -8,8 +8,8 @@ import grpc
 import pytest
 
 from kvstore.client import ClientError, ClientOptions, KVStoreClient
-from kvstore.keys import Namespace
-from kvstore.types import ChunkRecord
+from kvstore.core.keys import Namespace
+from kvstore.core.types import ChunkRecord
 from tests.chunks import NAMESPACE, chain, payload
 from tests.service.conftest import keys_of, payloads_of
 

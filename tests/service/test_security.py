@@ -15,13 +15,13 @@ import grpc
 import pytest
 import yaml
 
-from kvstore.auth import Tenants
 from kvstore.client import ClientError, ClientOptions, KVStoreClient
-from kvstore.metrics import Metrics
-from kvstore.pb import pb
-from kvstore.service import Limits
-from kvstore.tls import ClientAuth, server_credentials
-from kvstore.types import ChunkRecord
+from kvstore.core.types import ChunkRecord
+from kvstore.rpc.pb import pb
+from kvstore.rpc.tls import ClientAuth, server_credentials
+from kvstore.server.auth import Tenants
+from kvstore.server.metrics import Metrics
+from kvstore.server.service import Limits
 from tests.certs import make_pki
 from tests.chunks import NAMESPACE, chain
 from tests.procs import KVSTORE

@@ -8,8 +8,8 @@ from __future__ import annotations
 import subprocess
 
 from kvstore.client import ClientOptions
-from kvstore.shards import ShardedClient
-from kvstore.tiers.shm_region import reclaim_stale
+from kvstore.client.shards import ShardedClient
+from kvstore.server.tiers.shm_region import reclaim_stale
 from tests.chunks import chain, keys_of, payloads_of
 from tests.procs import KVSTORE, Served, store_config
 

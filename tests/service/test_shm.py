@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kvstore.client import ClientError, ClientOptions, KVStoreClient
-from kvstore.pb import pb
-from kvstore.service import Limits
-from kvstore.shm_reader import ShmReader
+from kvstore.client.shm_reader import ShmReader
+from kvstore.rpc.pb import pb
+from kvstore.server.service import Limits
 from tests.chunks import CHUNK_COST, chain
 from tests.service.conftest import keys_of, payloads_of
 from tests.shm_regions import mapped_here

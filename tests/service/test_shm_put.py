@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 
 from kvstore.client import KVStoreClient
-from kvstore.pb import pb
-from kvstore.types import ChunkRecord
+from kvstore.core.types import ChunkRecord
+from kvstore.rpc.pb import pb
 from tests.chunks import CHUNK_COST, chain
 from tests.service.conftest import keys_of, payloads_of
 

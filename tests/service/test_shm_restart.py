@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvstore.client import ClientOptions, KVStoreClient
-from kvstore.pb import pb
+from kvstore.rpc.pb import pb
 from tests.chunks import chain
 from tests.procs import KVSTORE, Served, free_port, store_config
 from tests.service.conftest import keys_of, payloads_of

@@ -9,8 +9,8 @@ import grpc
 import pytest
 
 from kvstore.client import ClientError, ClientOptions, KVStoreClient
-from kvstore.grpc_server import StoreServer
-from kvstore.pb import pb
+from kvstore.rpc.pb import pb
+from kvstore.server.grpc_server import StoreServer
 from tests.chunks import chain
 from tests.service.conftest import keys_of, payloads_of
 from tests.service.test_disconnect import Stalled, wait_until

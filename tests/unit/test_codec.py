@@ -5,9 +5,9 @@ import struct
 import pytest
 import torch
 
-from kvstore import codec
-from kvstore.payload import HEADER_BYTES, parse_header, parse_payload
-from kvstore.types import PayloadError
+from kvstore.core import codec
+from kvstore.core.payload import HEADER_BYTES, parse_header, parse_payload
+from kvstore.core.types import PayloadError
 
 SHAPE = (4, 2, 32, 64)  # layers, kv_heads, tokens, head_dim
 

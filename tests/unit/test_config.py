@@ -10,7 +10,8 @@ import sys
 import pytest
 import yaml
 
-from kvstore.config import (
+from kvstore.core.types import InvalidArgument
+from kvstore.server.config import (
     Config,
     ConfigError,
     DramConfig,
@@ -22,8 +23,7 @@ from kvstore.config import (
     load_config,
     parse_size,
 )
-from kvstore.config_cli import add_cli_flags, overrides_from_args
-from kvstore.types import InvalidArgument
+from kvstore.server.config_cli import add_cli_flags, overrides_from_args
 
 
 def write_yaml(tmp_path, doc: object) -> str:
@@ -315,7 +315,8 @@ def test_client_commands_never_load_the_config_or_pydantic():
     probe = (
         "import sys; from kvstore.cli import build_parser; "
         "build_parser(serve_flags=False).parse_args(['ping']); "
-        "print(sorted(m for m in sys.modules if m.startswith(('kvstore.config', 'pydantic'))))"
+        "print(sorted(m for m in sys.modules "
+        "if m.startswith(('kvstore.server.config', 'pydantic'))))"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

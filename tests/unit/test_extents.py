@@ -8,8 +8,8 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvstore.tiers.extents import ALIGN, ExtentTable
-from kvstore.types import TierFullError
+from kvstore.core.types import TierFullError
+from kvstore.server.tiers.extents import ALIGN, ExtentTable
 
 CAPACITY = 64 * ALIGN
 

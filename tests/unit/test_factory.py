@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from kvstore import factory
-from kvstore.config import Config, ConfigError, DramConfig, HbmConfig, NvmeConfig
-from kvstore.tiers.dram import DramTier
+from kvstore.server import factory
+from kvstore.server.config import Config, ConfigError, DramConfig, HbmConfig, NvmeConfig
+from kvstore.server.tiers.dram import DramTier
 from tests.chunks import chain
 
 
@@ -117,7 +117,7 @@ def test_hbm_without_a_gpu_is_a_config_error_naming_hbm(config):
 
 def test_the_old_slot_bytes_key_is_accepted_and_ignored_with_a_warning(config, caplog):
     old = dataclasses.replace(config, dram=DramConfig(capacity_bytes="1MiB", slot_bytes="64KiB"))
-    with caplog.at_level("WARNING", logger="kvstore.factory"):
+    with caplog.at_level("WARNING", logger="kvstore.server.factory"):
         tiers = factory.build_tiers(old)
     try:
         assert "dram.slot_bytes is ignored" in caplog.text

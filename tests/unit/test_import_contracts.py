@@ -39,12 +39,12 @@ def test_the_contracts_hold_on_this_tree(tmp_path):
 
 def test_a_client_that_imports_the_store_breaks_the_client_contract(tmp_path):
     tree = copy_tree(tmp_path)
-    client = tree / "kvstore" / "client.py"
+    client = tree / "kvstore" / "client" / "grpc_client.py"
     text = client.read_text()
     head, sep, rest = text.partition("\nimport grpc\n")
-    assert sep, "client.py no longer imports grpc where this test expects"
-    client.write_text(head + sep + "from kvstore.store import TieredStore  # noqa\n" + rest)
+    assert sep, "grpc_client.py no longer imports grpc where this test expects"
+    client.write_text(head + sep + "from kvstore.server.store import TieredStore  # noqa\n" + rest)
     out = lint_imports(tree)
     assert out.returncode != 0
     assert "imports no server code BROKEN" in " ".join(out.stdout.split())
-    assert "kvstore.client -> kvstore.store" in out.stdout
+    assert "kvstore.client.grpc_client -> kvstore.server.store" in out.stdout

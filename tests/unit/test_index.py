@@ -11,8 +11,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvstore.index import RadixIndex, TierSpec
-from kvstore.types import InvalidArgument, NotFound
+from kvstore.core.types import InvalidArgument, NotFound
+from kvstore.server.index import RadixIndex, TierSpec
 
 NS = b"n" * 32
 

@@ -6,8 +6,8 @@ import struct
 import pytest
 import xxhash
 
-from kvstore.keys import Namespace, chunk_keys, part_key, request_root
-from kvstore.types import InvalidArgument
+from kvstore.core.keys import Namespace, chunk_keys, part_key, request_root
+from kvstore.core.types import InvalidArgument
 
 LLAMA = Namespace(
     model="meta-llama/Llama-3.1-8B",

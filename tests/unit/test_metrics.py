@@ -9,11 +9,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvstore
-from kvstore.metrics import REJECT_REASONS, STORE_REJECT_REASONS, Metrics
-from kvstore.stats import StoreStats, TierStats
-from kvstore.store import TieredStore
-from kvstore.tiers.dram import DramTier
-from kvstore.tiers.nvme import NvmeTier
+from kvstore.server.metrics import REJECT_REASONS, STORE_REJECT_REASONS, Metrics
+from kvstore.server.stats import StoreStats, TierStats
+from kvstore.server.store import TieredStore
+from kvstore.server.tiers.dram import DramTier
+from kvstore.server.tiers.nvme import NvmeTier
 from tests.chunks import CHUNK_COST, chain
 
 SLOT = CHUNK_COST
@@ -263,7 +263,7 @@ def _reason_codes(path: Path) -> set[str]:
 
 
 def test_every_reason_code_in_the_code_is_a_fixed_label_value():
-    package = Path(kvstore.__file__).parent
+    package = Path(kvstore.__file__).parent / "server"
     service = _reason_codes(package / "service.py") | _reason_codes(package / "quotas.py")
     store = _reason_codes(package / "store.py")
     assert {"too_many_keys", "shutting_down", "too_many_streams"} <= service  # the scan works

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.config import Config
+from kvstore.server.config import Config
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
-from kvstore.index.reservations import Reservations
+from kvstore.server.index.reservations import Reservations
 from tests.chunks import chain, keys_of
 
 

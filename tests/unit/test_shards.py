@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from kvstore.shards import rendezvous, shard_targets
-from kvstore.types import InvalidArgument
+from kvstore.client.shards import rendezvous, shard_targets
+from kvstore.core.types import InvalidArgument
 
 ROOTS = [os.urandom(16) for _ in range(20_000)]
 THREE = ["10.0.0.1:50051", "10.0.0.2:50051", "10.0.0.3:50051"]

@@ -5,8 +5,8 @@ import threading
 import lmdb
 import pytest
 
-from kvstore.keys import Namespace
-from kvstore.types import ChunkRecord, InvalidArgument, NotFound, TierFullError
+from kvstore.core.keys import Namespace
+from kvstore.core.types import ChunkRecord, InvalidArgument, NotFound, TierFullError
 from tests.chunks import chain, keys_of
 
 MiB = 1 << 20

@@ -10,11 +10,11 @@ import threading
 import numpy as np
 import pytest
 
-from kvstore.payload import ChunkHeader, build_payload, expected_body_len
-from kvstore.store import TieredStore
-from kvstore.tiers.dram import DramTier
-from kvstore.tiers.nvme import NvmeTier
-from kvstore.types import ChunkRecord, KVStoreError
+from kvstore.core.payload import ChunkHeader, build_payload, expected_body_len
+from kvstore.core.types import ChunkRecord, KVStoreError
+from kvstore.server.store import TieredStore
+from kvstore.server.tiers.dram import DramTier
+from kvstore.server.tiers.nvme import NvmeTier
 from tests.chunks import CHUNK_COST, chain, keys_of, payloads_of
 
 MiB = 1 << 20

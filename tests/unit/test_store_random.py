@@ -12,9 +12,9 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from kvstore.store import TieredStore
-from kvstore.tiers.dram import DramTier
-from kvstore.tiers.nvme import NvmeTier
+from kvstore.server.store import TieredStore
+from kvstore.server.tiers.dram import DramTier
+from kvstore.server.tiers.nvme import NvmeTier
 from tests.chunks import CHUNK_COST, chain
 
 SLOT = CHUNK_COST

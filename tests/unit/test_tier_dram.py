@@ -13,11 +13,11 @@ import threading
 import numpy as np
 import pytest
 
-from kvstore.tiers.base import Tier
-from kvstore.tiers.dram import DramTier
-from kvstore.tiers.extents import ALIGN
-from kvstore.tiers.shm_region import reclaim_stale
-from kvstore.types import KEY_BYTES, ChunkRecord, InvalidArgument, KVStoreError, TierFullError
+from kvstore.core.types import KEY_BYTES, ChunkRecord, InvalidArgument, KVStoreError, TierFullError
+from kvstore.server.tiers.base import Tier
+from kvstore.server.tiers.dram import DramTier
+from kvstore.server.tiers.extents import ALIGN
+from kvstore.server.tiers.shm_region import reclaim_stale
 
 UNIT = 4096 - KEY_BYTES  # a payload that, with its key, costs exactly 4 KiB
 NS = bytes(range(32))
@@ -195,7 +195,7 @@ def test_a_killed_owners_region_is_reclaimed_and_a_live_ones_is_not(tier):
     code = textwrap.dedent(
         """
         import sys, time
-        from kvstore.tiers.dram import DramTier
+        from kvstore.server.tiers.dram import DramTier
         t = DramTier(capacity_bytes=1 << 20)
         print(t.region_name, flush=True)
         time.sleep(600)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore.types import ChunkRecord, InvalidArgument, TierFullError
+from kvstore.core.types import ChunkRecord, InvalidArgument, TierFullError
 
 pytestmark = pytest.mark.gpu
 
@@ -27,7 +27,7 @@ def tier():
     cupy = pytest.importorskip("cupy")
     if cupy.cuda.runtime.getDeviceCount() < 1:
         pytest.skip("no CUDA device")
-    from kvstore.tiers.hbm import HbmTier
+    from kvstore.server.tiers.hbm import HbmTier
 
     t = HbmTier(capacity_bytes=4 * SLOT)
     yield t

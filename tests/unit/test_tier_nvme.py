@@ -9,10 +9,10 @@ import lmdb
 import numpy as np
 import pytest
 
-from kvstore.tiers.base import StoredChunk, Tier
-from kvstore.tiers.nvme import NvmeTier
-from kvstore.tiers.nvme_format import HEADER
-from kvstore.types import ChunkRecord, InvalidArgument, KVStoreError, TierFullError
+from kvstore.core.types import ChunkRecord, InvalidArgument, KVStoreError, TierFullError
+from kvstore.server.tiers.base import StoredChunk, Tier
+from kvstore.server.tiers.nvme import NvmeTier
+from kvstore.server.tiers.nvme_format import HEADER
 
 NS = bytes(range(32))
 MAP = 64 << 20
@@ -291,7 +291,7 @@ def test_a_data_directory_held_by_a_live_store_is_refused_and_a_killed_one_is_no
     code = textwrap.dedent(
         f"""
         import time
-        from kvstore.tiers.nvme import NvmeTier
+        from kvstore.server.tiers.nvme import NvmeTier
         t = NvmeTier({path!r}, 16 << 20)
         print("open", flush=True)
         time.sleep(600)

@@ -2,9 +2,9 @@
 
 import pytest
 
-from kvstore import wire
-from kvstore.pb import pb
-from kvstore.types import ChunkRecord, InvalidArgument
+from kvstore.core import wire
+from kvstore.core.types import ChunkRecord, InvalidArgument
+from kvstore.rpc.pb import pb
 
 
 @pytest.mark.parametrize("size", [1, 127, 128, 300, 1 << 20])

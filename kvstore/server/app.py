@@ -1,0 +1,118 @@
+"""Wiring from a ``Config`` to a running service: store, gRPC server, /metrics.
+
+Offers ``start(config) -> Running`` (everything started, ports bound) and
+``serve(config)`` (start, print where it listens, block until SIGTERM/SIGINT,
+then shut down gracefully). Never reads flags or the environment: the ``Config`` it
+is given (``kvstore.server.config.load_config``) is all it goes by.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+
+from kvstore.rpc.tls import server_credentials
+from kvstore.server.auth import Tenants
+from kvstore.server.config import Config
+from kvstore.server.factory import build_store
+from kvstore.server.grpc_server import StoreServer
+from kvstore.server.metrics import Metrics, MetricsEndpoint
+from kvstore.server.service import Limits
+
+log = logging.getLogger("kvstore")
+
+
+@dataclass
+class Running:
+    server: StoreServer
+    metrics: MetricsEndpoint | None
+    address: str
+
+    def stop(self) -> None:
+        """Refuse new calls, finish in-flight ones, flush write-behind, close LMDB."""
+        try:
+            self.server.stop()
+        finally:
+            if self.metrics is not None:
+                self.metrics.close()
+
+
+def limits_of(config: Config) -> Limits:
+    """The service limits a config asks for."""
+    s = config.server
+    return Limits(
+        max_keys_per_request=s.max_keys_per_request,
+        max_chunk_bytes=s.max_chunk_bytes,
+        default_lease_ttl_s=config.store.lease_ttl_s,
+        max_lease_ttl_s=config.store.max_lease_ttl_s,
+        shm=s.shm,
+        max_leases_per_client=s.max_leases_per_client,
+        max_streams_per_client=s.max_streams_per_client,
+        max_inflight_bytes_per_client=s.max_inflight_bytes_per_client,
+    )
+
+
+def start(config: Config) -> Running:
+    store = build_store(config)
+    try:
+        metrics = Metrics(store.stats)
+        s = config.server
+        limits = limits_of(config)
+        server = StoreServer(
+            store,
+            s.listen,
+            limits=limits,
+            max_message_bytes=s.max_message_bytes,
+            workers=s.workers,
+            grace_s=s.grace_s,
+            metrics=metrics,
+            credentials=server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca)
+            if s.tls_cert
+            else None,
+            tenants=Tenants.load(s.tenants_file) if s.tenants_file else None,
+        )
+        port = server.start()
+    except BaseException:
+        store.close()
+        raise
+    host = s.listen.rsplit(":", 1)[0] if not s.listen.startswith("unix:") else s.listen
+    address = s.listen if s.listen.startswith("unix:") else f"{host}:{port}"
+    endpoint = None
+    if s.metrics_listen:
+        try:
+            endpoint = metrics.serve_http(s.metrics_listen)
+        except OSError:
+            server.stop()
+            raise
+    return Running(server, endpoint, address)
+
+
+def serve(config: Config) -> int:
+    """Run until SIGTERM or SIGINT; returns the process exit code."""
+    running = start(config)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    tiers = ", ".join(t.name for t in running.server.store.tiers)
+    metrics = (
+        f"http://{config.server.metrics_listen.rsplit(':', 1)[0]}:{running.metrics.port}/metrics"
+        if running.metrics
+        else "off"
+    )
+    print(
+        f"kvstore listening on {running.address} (tiers: {tiers}; "
+        f"{len(running.server.store.index)} chunks loaded)\n"
+        f"  metrics: {metrics}\n"
+        f"  try:     kvstore stats --address {running.address}",
+        flush=True,
+    )
+    while not stop.wait(0.5):
+        pass
+    print(
+        "kvstore: shutting down (finishing in-flight calls, flushing)", file=sys.stderr, flush=True
+    )
+    running.stop()
+    return 0
