@@ -49,6 +49,13 @@ class ConnectorConfig:
     # "auto": shm when ``store`` is a unix socket or a loopback address
     transport: str = "auto"
     compile_codec: bool = True  # fuse the fp8 kernels at start (~14 s once); eager if not
+    # longest a request waits for chunks another node is computing (a P/D prefill node's
+    # saves, or another engine's single-flight reservation) before computing them itself
+    wait_timeout_s: float = 5.0
+    # reserve the missing chunks at lookup so that engines meeting the same new prefix at
+    # once compute it once (kv_both only; the others wait for its chunks)
+    single_flight: bool = True
+    reserve_ttl_s: float = 10.0  # a producer that dies releases its reservation after this
 
     @property
     def same_host(self) -> bool:
@@ -78,7 +85,11 @@ class ConnectorConfig:
             return ConnectorConfigError(f"kv_connector_extra_config.{key} {why}")
 
         if not self.store or ":" not in self.store:
-            raise bad("store", f"must be host:port (or unix:PATH), got {self.store!r}")
+            raise bad(
+                "store",
+                "must be host:port, unix:PATH, several host:port separated by commas "
+                f"(shards) or dns:NAME:PORT, got {self.store!r}",
+            )
         if self.chunk_tokens <= 0 or self.chunk_tokens % block_size:
             raise bad(
                 "chunk_tokens",
@@ -87,7 +98,14 @@ class ConnectorConfig:
             )
         if self.codec not in CODECS:
             raise bad("codec", f"must be one of {', '.join(CODECS)}, got {self.codec!r}")
-        for key in ("lookup_timeout_s", "load_timeout_s", "save_timeout_s", "lease_ttl_s"):
+        for key in (
+            "lookup_timeout_s",
+            "load_timeout_s",
+            "save_timeout_s",
+            "lease_ttl_s",
+            "wait_timeout_s",
+            "reserve_ttl_s",
+        ):
             if getattr(self, key) <= 0:
                 raise bad(key, f"must be positive, got {getattr(self, key)}")
         if self.transport not in TRANSPORTS:
@@ -114,11 +132,21 @@ _TYPES = {
     "lease_ttl_s": float,
     "transport": str,
     "compile_codec": bool,
+    "wait_timeout_s": float,
+    "single_flight": bool,
+    "reserve_ttl_s": float,
 }
 TRANSPORTS = ("auto", "shm", "tcp")
 
 
 def _is_local(address: str) -> bool:
+    """Every store the address names runs on this host (a DNS name: assume not)."""
+    if address.startswith("dns:"):
+        return False
+    return all(_one_is_local(a.strip()) for a in address.split(","))
+
+
+def _one_is_local(address: str) -> bool:
     if address.startswith("unix:"):
         return True
     host = address.rsplit(":", 1)[0].strip("[]")

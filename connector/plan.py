@@ -34,12 +34,17 @@ class LoadSpec:
 
 @dataclass
 class SaveSpec:
-    """Save the chunks ``keys`` (whose chain continues ``parent``) from ``block_ids``."""
+    """Save the chunks ``keys`` (whose chain continues ``parent``) from ``block_ids``.
+
+    ``root`` is the chain's first key (it places the chain on a shard); None when
+    ``keys`` start the chain.
+    """
 
     req_id: str
     keys: list[bytes]
     parent: bytes | None
     block_ids: list[int]
+    root: bytes | None = None
 
 
 @dataclass

@@ -13,20 +13,40 @@ is scheduled, whether it is new or resumed after a preemption (vLLM resets a
 preempted request and asks again; its blocks are new). Saves cover the full
 chunks of the prompt and, with ``save_generated``, of the generated tokens,
 each chunk once: not those the lookup found stored, not those planned before.
+
+A request waits (``None``: vLLM asks again next step; bounded by ``wait_timeout_s``)
+for chunks another node is computing: those a prefill node said it saved
+(``connector.handoff``), and, with ``single_flight``, those another engine reserved
+at its lookup. An engine with nothing else to run paces its polls instead of
+spinning. A store that fails ends every wait: the request computes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import socket
+import time
+import uuid
 from dataclasses import dataclass, field
 
 from connector.config import ConnectorConfig
+from connector.handoff import expected_chunks, handoff_params, wants_handoff
 from connector.identity import RequestChain, unkeyable
 from connector.plan import KVStoreMetadata, LoadSpec, SaveSpec
 from kvstore.core.keys import Namespace, part_key
 
 log = logging.getLogger(__name__)
+
+POLL_S = 0.01  # between two lookups of a waiting request
+
+
+@dataclass
+class _Wait:
+    target: int  # leading chunks a prefill node said it saved (0: none named)
+    until: float  # give up and compute (monotonic)
+    next_poll: float = 0.0
 
 
 @dataclass
@@ -38,6 +58,8 @@ class _Request:
     lease_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0  # leading chunks stored or planned for saving; -1: saving given up
+    wait: _Wait | None = None  # waiting for chunks another node is computing
+    waited: bool = False  # a wait ended (hit or timed out): never wait again
 
 
 @dataclass
@@ -50,6 +72,10 @@ class SchedulerCounters:
     resumed_loads: int = 0
     chunks_planned: int = 0
     unkeyable: int = 0
+    waits: int = 0  # requests that waited for another node's chunks
+    wait_timeouts: int = 0  # waits that ended without the chunks (computed instead)
+    reservations: int = 0  # lookups that made this engine the producer of missing chunks
+    handoffs: int = 0  # finished prefill requests that told the decode node what they saved
 
 
 class SchedulerHalf:
@@ -73,6 +99,8 @@ class SchedulerHalf:
         self._reqs: dict[str, _Request] = {}
         self._pending: set[str] = set()  # requests with an allocated load not yet planned
         self._logged: set[str] = set()
+        self._idle = False  # the last step scheduled nothing
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.counters = SchedulerCounters()
 
     @property
@@ -82,14 +110,16 @@ class SchedulerHalf:
     @property
     def client(self):
         if self._client is None:
-            from kvstore.client import ClientOptions, KVStoreClient
+            from kvstore.client import ClientOptions
+            from kvstore.client.shards import connect
 
             opts = ClientOptions(timeout_s=self.config.lookup_timeout_s, retries=0)
-            self._client = KVStoreClient(self.config.store, opts)
+            self._client = connect(self.config.store, opts)
         return self._client
 
-    def matched_tokens(self, request, num_computed_tokens: int) -> int:
-        """Tokens beyond ``num_computed_tokens`` that the store can supply (whole chunks).
+    def matched_tokens(self, request, num_computed_tokens: int) -> int | None:
+        """Tokens beyond ``num_computed_tokens`` that the store can supply (whole chunks),
+        or None while the request waits for chunks another node is computing.
 
         Called for new requests and again for each resumption after a preemption;
         a resumed request keeps its keys and what it already saved. Never raises:
@@ -104,8 +134,14 @@ class SchedulerHalf:
                 self._release(state)
             return 0
 
-    def _matched(self, request, num_computed_tokens: int) -> int:
+    def _matched(self, request, num_computed_tokens: int) -> int | None:
         state = self._reqs.get(request.request_id)
+        if state is not None and state.wait is not None:
+            pause = state.wait.next_poll - time.monotonic()
+            if pause > 0:
+                if not self._idle:
+                    return None  # other requests are running: ask again next step
+                time.sleep(pause)  # nothing else to run: pace the polls instead of spinning
         if state is None:
             why = unkeyable(request)
             if why is not None:
@@ -122,7 +158,12 @@ class SchedulerHalf:
         keys = state.chain.extend(num_tokens)
         if not keys or not (self.load or self.save):
             return 0
-        state.stored = self._lookup(state, keys, lease=self.load)
+        reserve = self.save and self.config.single_flight and not state.waited
+        state.stored, pending, ok = self._lookup(state, keys, lease=self.load, reserve=reserve)
+        if self.load and self._keep_waiting(state, request, keys, pending, ok):
+            self._release(state)
+            return None
+        self.counters.lookup_tokens += len(keys) * self.config.chunk_tokens
         if state.saved >= 0:
             state.saved = max(state.saved, state.stored)
         if not self.load:
@@ -143,26 +184,72 @@ class SchedulerHalf:
         state.load_tokens = (num_computed_tokens, hit)
         return hit - num_computed_tokens
 
-    def _lookup(self, state: _Request, keys: list[bytes], lease: bool) -> int:
-        """Chunks every rank's part of which is stored; leased for loading when ``lease``."""
-        matched = len(keys)
+    def _lookup(
+        self, state: _Request, keys: list[bytes], lease: bool, reserve: bool
+    ) -> tuple[int, int, bool]:
+        """Chunks every rank's part of which is stored (leased for loading when ``lease``),
+        chunks after them another engine is computing, and whether the store answered.
+
+        With ``reserve`` the missing rest is reserved to this engine unless another
+        engine already computes it (single-flight; rank 0's keys stand for all ranks).
+        """
+        matched, pending = len(keys), 0
         ttl = self.config.lease_ttl_s if lease else 0.0
         self.counters.lookups += 1
-        self.counters.lookup_tokens += len(keys) * self.config.chunk_tokens
         try:
             for rank in range(self.tp):
                 parts = [part_key(k, rank, self.tp) for k in keys[:matched]]
-                res = self.client.lookup(parts, lease_ttl_s=ttl)
+                extra = {}
+                if reserve and rank == 0:
+                    extra = {"reserve_ttl_s": self.config.reserve_ttl_s, "holder": self.holder}
+                res = self.client.lookup(parts, lease_ttl_s=ttl, **extra)
                 if res.lease_id:
                     state.lease_ids.append(res.lease_id)
+                if rank == 0:
+                    pending = res.pending
+                    self.counters.reservations += res.reserved > 0
                 matched = min(matched, res.matched)
-                if matched == 0:
+                if matched == 0 and not pending:
                     break
         except Exception as exc:  # a store that is down or slow must never stop the engine
             self.counters.lookup_failures += 1
             self._log_once("lookup", "kvstore lookup failed, computing instead: %s", exc)
-            return 0
-        return matched
+            return 0, 0, False
+        return matched, pending, True
+
+    def _keep_waiting(self, state: _Request, request, keys, pending: int, ok: bool) -> bool:
+        """Whether the request should wait for chunks another node is computing: those a
+        prefill node said it saved, or those another engine reserved. Bounded by
+        ``wait_timeout_s``; a store that fails ends the wait."""
+        if state.waited:
+            return False
+        now = time.monotonic()
+        if state.wait is None:
+            params = getattr(request, "kv_transfer_params", None)
+            target, why = expected_chunks(params, self.ns, keys)
+            if why:
+                self._log_once("handoff", "kvstore: ignoring P/D params: %s", why)
+            if not ok or (state.stored >= target and not pending):
+                return False
+            state.wait = _Wait(target, now + self.config.wait_timeout_s)
+            self.counters.waits += 1
+        wait = state.wait
+        arrived = state.stored >= wait.target and not pending
+        if arrived or not ok or now >= wait.until:
+            state.wait, state.waited = None, True
+            if not arrived:
+                self.counters.wait_timeouts += 1
+                log.info(
+                    "kvstore: %s stopped waiting for another node's chunks (%d of %d stored, "
+                    "%d pending): computing the rest",
+                    request.request_id,
+                    state.stored,
+                    wait.target,
+                    pending,
+                )
+            return False
+        wait.next_poll = now + POLL_S
+        return True
 
     def after_alloc(self, request, num_external_tokens: int) -> None:
         state = self._reqs.get(request.request_id)
@@ -180,6 +267,7 @@ class SchedulerHalf:
 
     def build_meta(self, out) -> KVStoreMetadata:
         meta = KVStoreMetadata()
+        self._idle = not getattr(out, "total_num_scheduled_tokens", 1)
         for req_id in getattr(out, "preempted_req_ids", None) or ():
             state = self._reqs.get(req_id)
             if state is not None:
@@ -264,16 +352,28 @@ class SchedulerHalf:
                 keys[state.saved : upto],
                 keys[state.saved - 1] if state.saved else None,
                 state.block_ids[state.saved * bpc : upto * bpc],
+                keys[0],
             )
         )
         self.counters.chunks_planned += upto - state.saved
         state.saved = upto
 
-    def finished(self, request) -> None:
+    def finished(self, request) -> dict | None:
+        """Forget the request; for the prefill leg of a P/D proxy, the ``kv_transfer_params``
+        that tell the decode node which prompt chunks to wait for (``connector.handoff``)."""
         state = self._reqs.pop(request.request_id, None)
         self._pending.discard(request.request_id)
-        if state is not None:
-            self._release(state)
+        if state is None:
+            return None
+        self._release(state)
+        if not (self.save and state.saved > 0):
+            return None
+        if not wants_handoff(getattr(request, "kv_transfer_params", None)):
+            return None
+        prompt_chunks = len(request.prompt_token_ids or []) // self.config.chunk_tokens
+        params = handoff_params(self.ns, state.chain.keys, min(state.saved, prompt_chunks))
+        self.counters.handoffs += params is not None
+        return params
 
     def _release(self, state: _Request) -> None:
         for lease_id in state.lease_ids:

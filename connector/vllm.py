@@ -10,7 +10,9 @@ Load it with::
 
 The scheduler process gets a ``SchedulerHalf`` (lookups and plans), each worker
 a ``WorkerHalf`` (loads and saves). ``kv_producer`` only saves, ``kv_consumer``
-only loads, ``kv_both`` does both.
+only loads, ``kv_both`` does both. Behind a P/D proxy (vllm-router) the prefill
+server's finished request returns ``kv_transfer_params`` naming the chunks it saved,
+and the decode server waits for them (``connector.handoff``).
 
 A load that fails costs only a recompute when vLLM is told so
 (``"kv_load_failure_policy": "recompute"`` in ``kv_transfer_config``); with
@@ -94,6 +96,8 @@ class KVStoreConnector(KVConnectorBase_V1):
     # ---- scheduler side ----------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        """Whole chunks the store holds, or None (asked again next step) while the request
+        waits for chunks a P/D prefill node or another engine is computing."""
         return self._scheduler.matched_tokens(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -103,8 +107,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         return self._scheduler.build_meta(scheduler_output)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        self._scheduler.finished(request)
-        return False, None
+        """Blocks are free at once (saves were copied out in ``wait_for_save``); the prefill
+        leg of a P/D proxy returns the ``kv_transfer_params`` its decode leg waits on."""
+        return False, self._scheduler.finished(request)
 
     # ---- worker side -------------------------------------------------------------------
 

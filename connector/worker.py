@@ -32,6 +32,7 @@ import torch
 
 from connector.config import ConnectorConfig
 from connector.plan import KVStoreMetadata, LoadSpec, SaveSpec
+from kvstore.client.shards import ShardedClient, connect
 from kvstore.core import codec
 from kvstore.core.keys import Namespace, part_key
 from kvstore.core.payload import expected_body_len
@@ -63,6 +64,7 @@ class _Chunk:
     parent: bytes | None
     k: torch.Tensor
     v: torch.Tensor
+    root: bytes  # the chain's first key: places it on a shard
 
 
 def _layer_order(name: str) -> tuple[int, str]:
@@ -107,10 +109,10 @@ class WorkerHalf:
     @property
     def client(self):
         if self._client is None:
-            from kvstore.client import ClientOptions, KVStoreClient
+            from kvstore.client import ClientOptions
 
             opts = ClientOptions(timeout_s=self.config.load_timeout_s, retries=0)
-            self._client = KVStoreClient(self.config.store, opts)
+            self._client = connect(self.config.store, opts)
         return self._client
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -224,6 +226,7 @@ class WorkerHalf:
             return
         bpc = self.blocks_per_chunk
         parent = spec.parent
+        root = spec.root or spec.keys[0]
         for j, key in enumerate(spec.keys):
             chunk_bytes = self._chunk_bytes()
             with self._idle:
@@ -250,7 +253,7 @@ class WorkerHalf:
                     self._queued_bytes -= chunk_bytes
                 raise
             # the copies are the connector's now; encoding and sending can wait for the thread
-            out.append(_Chunk(spec.req_id, key, parent, torch.stack(ks), torch.stack(vs)))
+            out.append(_Chunk(spec.req_id, key, parent, torch.stack(ks), torch.stack(vs), root))
             parent = key
 
     def _chunk_bytes(self) -> int:
@@ -304,7 +307,7 @@ class WorkerHalf:
                     self._idle.notify_all()
 
     def _send(self, chunks: list[_Chunk]) -> None:
-        records, owners = [], {}
+        records, owners, roots = [], {}, {}
         for c in chunks:
             with self._idle:
                 failed = c.req_id in self._send_failed
@@ -322,12 +325,14 @@ class WorkerHalf:
             parent = part_key(c.parent, self.rank, self.tp) if c.parent else None
             records.append(ChunkRecord(key, parent, self.ns_digest, payload))
             owners[key] = c.req_id
+            roots[key] = part_key(c.root, self.rank, self.tp)
         if not records:
             return
         t0 = time.perf_counter()
         try:
+            kw = {"root": roots} if isinstance(self.client, ShardedClient) else {}
             result = self.client.put(
-                records, timeout_s=self.config.save_timeout_s, shm=self.config.same_host
+                records, timeout_s=self.config.save_timeout_s, shm=self.config.same_host, **kw
             )
         except Exception as exc:
             self._log_once("put", "kvstore save failed (chunks dropped): %s", exc)

@@ -19,7 +19,7 @@ rejected ("shard unavailable").
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import grpc
 import xxhash
@@ -120,10 +120,14 @@ class ShardedClient:
         self,
         records: Sequence[ChunkRecord],
         timeout_s: float | None = None,
-        root: bytes | None = None,
+        root: bytes | Mapping[bytes, bytes] | None = None,
+        *,
+        shm: bool = False,
     ) -> PutResult:
         """Store chains, each on its root's shard. ``root`` names the chain of records
-        that continue one stored earlier (their first parent is not in ``records``)."""
+        that continue one stored earlier (their first parent is not in ``records``): one
+        key for all, or each record's key mapped to its chain's root. ``shm`` as for
+        ``KVStoreClient.put`` (same host only)."""
         groups: dict[int, list[ChunkRecord]] = {}
         root_of: dict[bytes, bytes] = {}
         for rec in records:
@@ -131,7 +135,9 @@ class ShardedClient:
                 r = rec.key
             elif rec.parent in root_of:
                 r = root_of[rec.parent]
-            elif root is not None:
+            elif isinstance(root, Mapping) and rec.key in root:
+                r = root[rec.key]
+            elif isinstance(root, bytes):
                 r = root
             else:
                 raise InvalidArgument(
@@ -144,7 +150,7 @@ class ShardedClient:
         rejected: list[tuple[bytes, str]] = []
         for i, batch in groups.items():
             try:
-                res = self.shards[i].put(batch, timeout_s)
+                res = self.shards[i].put(batch, timeout_s, shm=shm)
             except ClientError as e:
                 if e.code not in _DOWN:
                     raise
