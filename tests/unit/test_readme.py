@@ -38,6 +38,17 @@ def test_the_config_table_lists_exactly_the_keys_the_server_accepts():
         assert env == "KVSTORE_" + key.replace(".", "_").upper()
 
 
+def test_the_connector_table_lists_exactly_the_keys_the_connector_accepts():
+    from connector.config import ConnectorConfig
+
+    text = README.read_text()
+    start = text.index("`kv_connector_extra_config` keys")
+    table = text[start : text.index("\n\n", text.index("| key |", start))]
+    keys = re.findall(r"^\| `([a-z_]+)` \|", table, re.M)
+    assert len(keys) == len(set(keys)), "a key is listed twice"
+    assert set(keys) == {f.name for f in dataclasses.fields(ConnectorConfig)}
+
+
 def tracked_files() -> set[str] | None:
     """Paths git tracks in this checkout, or None outside a git checkout."""
     try:
