@@ -3,7 +3,9 @@
 Offers ``Config`` (sections ``server``, ``store``, ``dram``, ``nvme``, ``hbm``; ``to_dict``),
 ``load_config`` (overrides > ``KVSTORE_<SECTION>_<KEY>`` environment > YAML file > embedded
 defaults), ``parse_size``/``format_size`` ("2GiB", "1.5GB", "4096"), ``describe_options``
-(one row per option, for the README and the CLI help) and ``ConfigError``.
+(one row per option, for the README and the CLI help) and ``ConfigError``. The value types
+and sizes live in ``config_types``, the sources and their layering in ``config_sources``;
+both are re-exported here.
 
 Sections are pydantic dataclasses: pydantic coerces each field to its type (strings become
 numbers, sizes, and booleans such as ``yes``/``off``), then the section runs its own checks, so
@@ -16,96 +18,48 @@ what happens to be in ``os.environ``.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from decimal import Decimal
-from typing import Annotated, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import pydantic
-import yaml
 
-from kvstore.core.types import InvalidArgument
+from kvstore.server.config_sources import CLIENT_ENV, ENV_CONFIG, ENV_PREFIX, layered
+from kvstore.server.config_types import (
+    Bool,
+    ConfigError,
+    GiB,
+    KiB,
+    MiB,
+    Size,
+    format_size,
+    parse_size,
+)
 from kvstore.server.index import POLICIES
 from kvstore.server.store import WRITE_POLICIES
 from kvstore.server.tiers.nvme_format import COMPRESSION
 
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-ENV_PREFIX = "KVSTORE_"
-ENV_CONFIG = "KVSTORE_CONFIG"
-# a client's TLS and token settings (kvstore.rpc.tls.ClientAuth.from_env), not the server's
-CLIENT_ENV = frozenset(
-    ("KVSTORE_TLS_CA", "KVSTORE_TLS_CERT", "KVSTORE_TLS_KEY", "KVSTORE_TOKEN", "KVSTORE_TOKEN_FILE")
-)
-
-
-class ConfigError(InvalidArgument):
-    """A config value is unknown or invalid; ``key`` is its dotted name when there is one."""
-
-    def __init__(self, message: str, key: str | None = None) -> None:
-        super().__init__(message)
-        self.key = key
-
-
-# k, M, G... are powers of 1000 and Ki, Mi, Gi... powers of 1024, as in Kubernetes quantities.
-_UNITS = {"": 1, "b": 1} | {
-    prefix + suffix: base**power
-    for power, prefix in enumerate("kmgtpe", start=1)
-    for suffix, base in (("", 1000), ("b", 1000), ("i", 1024), ("ib", 1024))
-}
-_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-z]*)\s*", re.IGNORECASE)
-_BINARY = ("EiB", "PiB", "TiB", "GiB", "MiB", "KiB")
-
-
-def _to_bytes(value: object) -> int:
-    # Not pydantic's ByteSize: it reads "1,024" as 1 B, "0.3KiB" as 307 B and "1.5" as 1 B,
-    # where a typo must be an error; this one is exact (Decimal) or refuses.
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    m = _SIZE.fullmatch(value) if isinstance(value, str) else None
-    unit = _UNITS.get(m.group(2).lower()) if m else None
-    if m is None or unit is None:
-        raise ValueError("must be a size such as 2GiB, 512MiB, 1.5GB or 4096")
-    n = Decimal(m.group(1)) * unit
-    if n != n.to_integral_value():
-        raise ValueError("must be a whole number of bytes")
-    return int(n)
-
-
-def parse_size(value: object, key: str = "size") -> int:
-    """Bytes from an int or a string such as "2GiB", "512MiB", "1.5GB", "64k" or "4096"."""
-    try:
-        return _to_bytes(value)
-    except ValueError as e:
-        raise ConfigError(f"{key} {e}, got {value!r}", key) from None
-
-
-def format_size(n: int) -> str:
-    """The shortest exact binary spelling: 2GiB, 4160KiB, 4096 -> 4KiB, 1000 -> 1000."""
-    for i, unit in enumerate(_BINARY):
-        scale = 1024 ** (len(_BINARY) - i)
-        if n and n % scale == 0:
-            return f"{n // scale}{unit}"
-    return str(n)
-
-
-def _strip(value: object) -> object:
-    return value.strip() if isinstance(value, str) else value
-
-
-# Field types beyond pydantic's own: a size in bytes, and a boolean that forgives " on ".
-Size = Annotated[int, pydantic.BeforeValidator(_to_bytes)]
-Bool = Annotated[bool, pydantic.BeforeValidator(_strip)]
-
-# pydantic's error types, as the rule a value broke; a validator's own ValueError is its rule.
-_RULES = {
-    **dict.fromkeys(("bool_parsing", "bool_type"), "must be true/false, 1/0, yes/no or on/off"),
-    **dict.fromkeys(("int_parsing", "int_from_float", "int_type"), "must be an integer"),
-    **dict.fromkeys(("float_parsing", "float_type", "finite_number"), "must be a finite number"),
-    "string_type": "must be a string",
-}
+__all__ = [
+    "CLIENT_ENV",
+    "ENV_CONFIG",
+    "ENV_PREFIX",
+    "GiB",
+    "KiB",
+    "MiB",
+    "Config",
+    "ConfigError",
+    "DramConfig",
+    "HbmConfig",
+    "NvmeConfig",
+    "Option",
+    "ServerConfig",
+    "StoreConfig",
+    "describe_options",
+    "format_size",
+    "load_config",
+    "parse_size",
+]
 
 
 def _opt(default: object, help: str, kind: str | None = None) -> Any:
@@ -337,14 +291,6 @@ def describe_options() -> list[Option]:
     ]
 
 
-# The layering is written here rather than taken from pydantic-settings, whose sources each
-# break a promise above (checked with pydantic-settings 2.16): the YAML source silently ignores
-# a missing file, raises a bare ValueError on a file that is a list and refuses an empty
-# section; the environment source drops variables of unknown sections (KVSTORE_CACHE_SIZE) and
-# reads only os.environ; the CLI source refuses a bare --hbm.enabled and adds a --SECTION JSON
-# flag per section; sources chosen per call need BaseSettings(_build_sources=...), a private
-# argument whose shape is changing; and none says which source a bad value came from. Each
-# workaround costs more than the code below, and the import costs another 45-90 ms per start.
 def load_config(
     path: str | None = None,
     env: Mapping[str, str] | None = None,
@@ -354,85 +300,4 @@ def load_config(
 
     ``env`` defaults to ``os.environ``; with no ``path``, ``KVSTORE_CONFIG`` names the file.
     """
-    env = os.environ if env is None else env
-    values: dict[str, dict[str, object]] = {s: {} for s in _SECTIONS}
-    origin: dict[str, str] = {}
-
-    def put(section: str, name: str, value: object, source: str) -> None:
-        _check_known(section, name, source)
-        values[section][name] = value
-        origin[f"{section}.{name}"] = source
-
-    path = path or env.get(ENV_CONFIG) or None
-    if path:
-        for section, items in _read_yaml(path).items():
-            for name, value in items.items():
-                put(section, str(name), value, path)
-    for var, value in sorted(env.items()):
-        if var.startswith(ENV_PREFIX) and var != ENV_CONFIG and var not in CLIENT_ENV:
-            section, _, name = var[len(ENV_PREFIX) :].lower().partition("_")
-            put(section, name, value, f"environment variable {var}")
-    for dotted, value in (overrides or {}).items():
-        section, _, name = dotted.partition(".")
-        put(section, name, value, "overrides")
-
-    sections = {}
-    for section, cls in _SECTIONS.items():
-        try:
-            sections[section] = _build(cls, values[section])
-        except ConfigError as e:
-            if e.key not in origin:
-                raise
-            raise ConfigError(f"{e} (from {origin[e.key]})", e.key) from None
-    return Config(**sections)  # type: ignore[arg-type]
-
-
-def _build(cls: type[_Section], values: Mapping[str, object]) -> _Section:
-    """The section from raw values; pydantic's first complaint becomes a ``ConfigError``."""
-    try:
-        return cls(**values)
-    except pydantic.ValidationError as e:
-        err = e.errors()[0]
-        key = f"{cls.SECTION}.{err['loc'][0]}"
-        rule = (
-            str(err["ctx"]["error"])
-            if err["type"] == "value_error"
-            else _RULES.get(err["type"], err["msg"])
-        )
-        raise ConfigError(f"{key} {rule}, got {err['input']!r}", key) from None
-
-
-def _check_known(section: str, name: str, source: str) -> None:
-    if section not in _SECTIONS:
-        raise ConfigError(
-            f"unknown config section {section!r} (from {source}); "
-            f"valid sections: {', '.join(_SECTIONS)}"
-        )
-    valid = [f.name for f in dataclasses.fields(_SECTIONS[section])]  # type: ignore[arg-type]
-    if name not in valid:
-        key = f"{section}.{name}"
-        close = difflib.get_close_matches(name, valid, n=1)
-        hint = f"; did you mean {section}.{close[0]}?" if close else ""
-        raise ConfigError(
-            f"unknown config key {key!r} (from {source}); "
-            f"valid keys of {section}: {', '.join(valid)}{hint}",
-            key,
-        )
-
-
-def _read_yaml(path: str) -> dict[str, dict[str, object]]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-    sections = {} if doc is None else doc
-    if not isinstance(sections, dict) or not all(
-        items is None or isinstance(items, dict) for items in sections.values()
-    ):
-        raise ConfigError(f"config file {path} must map sections to mappings of keys, got {doc!r}")
-    return {str(section): items or {} for section, items in sections.items()}
+    return Config(**layered(_SECTIONS, path, env, overrides))  # type: ignore[arg-type]

@@ -19,7 +19,8 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore.rpc.pb import SERVICE, pb
 from kvstore.server.auth import Tenants
-from kvstore.server.service import KVStoreService, Limits, generic_handler
+from kvstore.server.service import KVStoreService, Limits
+from kvstore.server.service_handlers import generic_handler
 from kvstore.server.store import TieredStore
 
 log = logging.getLogger(__name__)
