@@ -56,6 +56,9 @@ class ConnectorConfig:
     # once compute it once (kv_both only; the others wait for its chunks)
     single_flight: bool = True
     reserve_ttl_s: float = 10.0  # a producer that dies releases its reservation after this
+    # load in the background (vLLM's asynchronous loads): a long load never holds up the
+    # step other requests are decoding in; costs the loading request a step or two
+    load_async: bool = False
 
     @property
     def same_host(self) -> bool:
@@ -135,6 +138,7 @@ _TYPES = {
     "wait_timeout_s": float,
     "single_flight": bool,
     "reserve_ttl_s": float,
+    "load_async": bool,
 }
 TRANSPORTS = ("auto", "shm", "tcp")
 

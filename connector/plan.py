@@ -20,6 +20,9 @@ except ImportError:  # plans are plain data; vLLM only supplies the base class
 class LoadSpec:
     """Load ``keys`` (chunk keys, in chain order) into ``block_ids``.
 
+    A ``background`` load (``load_async``) runs off the forward: the request waits in
+    vLLM (``WAITING_FOR_REMOTE_KVS``) until the worker reports it finished.
+
     Blocks before ``first_block`` already hold this request's KV (vLLM's own
     prefix cache) and are shared with other requests: they are never written.
     ``block_ids`` may end inside the last chunk (vLLM took fewer external tokens
@@ -30,6 +33,7 @@ class LoadSpec:
     keys: list[bytes]
     block_ids: list[int]
     first_block: int
+    background: bool = False  # vLLM waits for it (get_finished), not the forward
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The scheduler half: which prefix the store can supply, and the per-step load/save plan.
 
 Offers ``SchedulerHalf`` with ``matched_tokens(request, num_computed_tokens)``,
-``after_alloc(request, num_external_tokens)``, ``build_meta(scheduler_output)``
+``after_alloc(request, num_external_tokens, blocks)``, ``build_meta(scheduler_output)``
 and ``finished(request)``. It keys a request's chunks with kvstore's own key
 spec (its LoRA adapter, cache salt and multimodal inputs included, see
 ``connector.identity``), asks the store with one ``Lookup`` per tensor-parallel
@@ -98,6 +98,7 @@ class SchedulerHalf:
         self._client = client
         self._reqs: dict[str, _Request] = {}
         self._pending: set[str] = set()  # requests with an allocated load not yet planned
+        self._background: list[LoadSpec] = []  # load_async: planned, not yet sent
         self._logged: set[str] = set()
         self._idle = False  # the last step scheduled nothing
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -251,7 +252,11 @@ class SchedulerHalf:
         wait.next_poll = now + POLL_S
         return True
 
-    def after_alloc(self, request, num_external_tokens: int) -> None:
+    def after_alloc(self, request, num_external_tokens: int, blocks=None) -> None:
+        """vLLM allocated blocks for ``num_external_tokens`` of the hit (maybe fewer than
+        offered). A synchronous load is planned when the request is scheduled; with
+        ``load_async`` the request is not scheduled until its load is done, so the load
+        is planned now from ``blocks`` (all of the request's blocks)."""
         state = self._reqs.get(request.request_id)
         if state is None or state.load_tokens is None:
             return
@@ -261,13 +266,19 @@ class SchedulerHalf:
             return
         local, _ = state.load_tokens
         state.load_tokens = (local, local + num_external_tokens)
+        self.counters.hit_tokens += num_external_tokens
+        if self.config.load_async and blocks is not None:
+            state.block_ids = list(blocks.get_block_ids()[0])
+            state.allocated = True
+            self._background.append(self._load_spec(request.request_id, state, True))
+            return
         state.allocated = True
         self._pending.add(request.request_id)
-        self.counters.hit_tokens += num_external_tokens
 
     def build_meta(self, out) -> KVStoreMetadata:
         meta = KVStoreMetadata()
         self._idle = not getattr(out, "total_num_scheduled_tokens", 1)
+        meta.loads, self._background = self._background, []
         for req_id in getattr(out, "preempted_req_ids", None) or ():
             state = self._reqs.get(req_id)
             if state is not None:
@@ -306,21 +317,23 @@ class SchedulerHalf:
     def _plan_load(self, req_id: str, state: _Request, meta: KVStoreMetadata) -> None:
         if state.load_tokens is None or not state.allocated:
             return
+        self._pending.discard(req_id)
+        meta.loads.append(self._load_spec(req_id, state, False))
+
+    def _load_spec(self, req_id: str, state: _Request, background: bool) -> LoadSpec:
         local, end = state.load_tokens
         state.load_tokens, state.allocated = None, False
-        self._pending.discard(req_id)
         chunk = self.config.chunk_tokens
         n_chunks = -(-end // chunk)
         n_blocks = -(-end // self.block_size)
-        meta.loads.append(
-            LoadSpec(
-                req_id,
-                state.chain.keys[:n_chunks],
-                state.block_ids[:n_blocks],
-                local // self.block_size,
-            )
-        )
         self.counters.loads_planned += 1
+        return LoadSpec(
+            req_id,
+            state.chain.keys[:n_chunks],
+            state.block_ids[:n_blocks],
+            local // self.block_size,
+            background,
+        )
 
     def _plan_save(self, req_id: str, state: _Request, computed: int, out, meta) -> None:
         """Full chunks whose KV is complete after this step and not yet stored or planned.

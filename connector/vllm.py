@@ -98,10 +98,11 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         """Whole chunks the store holds, or None (asked again next step) while the request
         waits for chunks a P/D prefill node or another engine is computing."""
-        return self._scheduler.matched_tokens(request, num_computed_tokens), False
+        tokens = self._scheduler.matched_tokens(request, num_computed_tokens)
+        return tokens, bool(tokens) and self.config.load_async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self._scheduler.after_alloc(request, num_external_tokens)
+        self._scheduler.after_alloc(request, num_external_tokens, blocks)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         return self._scheduler.build_meta(scheduler_output)
@@ -122,7 +123,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._worker.load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads finish in ``start_load_kv``, before the first layer runs."""
+        """Synchronous loads finish in ``start_load_kv``, before the first layer runs;
+        background loads (``load_async``) hold their request out of the batch instead."""
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         """Chunks are saved whole, after the last layer, in ``wait_for_save``."""
@@ -133,10 +135,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         if isinstance(meta, KVStoreMetadata) and meta.saves:
             self._worker.save(meta)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[None, None]:
-        if self._worker is not None and finished_req_ids:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[None, set[str] | None]:
+        """Nothing is ever sent from blocks vLLM must keep; background loads (``load_async``)
+        that ended are reported as received, failed or not (their bad blocks go out
+        through ``get_block_ids_with_load_errors`` in the same pass)."""
+        if self._worker is None:
+            return None, None
+        if finished_req_ids:
             self._worker.finished(finished_req_ids)
-        return None, None
+        return None, self._worker.loads_done() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()

@@ -2,13 +2,15 @@
 
 Offers ``WorkerHalf`` with ``register(kv_caches)``, ``load(meta)`` (before the
 forward: synchronous, bounded by ``load_timeout_s``; on the store's host through its
-shared memory, ``ConnectorConfig.transport``), ``save(meta)`` (after the
+shared memory, ``ConnectorConfig.transport``; background loads go to a loader
+thread and are reported by ``loads_done()``), ``save(meta)`` (after the
 forward: copies the chunks out of the paged cache, then encodes and sends them
 from a background thread), ``finished(req_ids)``, ``load_errors()`` and ``close()``.
 
 A load that fails or comes back short reports the blocks it could not fill, so
-vLLM recomputes them; a chunk whose payload does not match the engine's
-geometry is treated the same way. The engine never attends over unchecked KV.
+vLLM recomputes them (a background load's in the same pass that reports it done);
+a chunk whose payload does not match the engine's geometry is treated the same
+way. The engine never attends over unchecked KV.
 
 Saving never raises into the engine and never waits for the store: each step's
 chunks go to the sender as one item, bounded by ``save_queue_depth`` steps and
@@ -97,6 +99,9 @@ class WorkerHalf:
         self._layout = None
         self._staging = torch.empty(0, dtype=torch.uint8)  # same-host loads land here
         self._errors: set[int] = set()
+        self._loader: queue.Queue | None = None  # background loads, in order
+        self._loaded: list[tuple[str, set[int]]] = []  # done: request, blocks not filled
+        self._loaded_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(maxsize=config.save_queue_depth)
         self._sender: threading.Thread | None = None
         self._idle = threading.Condition()  # guards the fields below and the save counters
@@ -133,13 +138,46 @@ class WorkerHalf:
 
     def load(self, meta: KVStoreMetadata) -> None:
         for spec in meta.loads:
-            try:
-                self._load_one(spec)
-            except Exception as exc:  # unreachable by design; still never the engine's problem
-                self._log_once("load", "kvstore load for %s failed: %r", spec.req_id, exc)
-                self._errors.update(spec.block_ids[spec.first_block :])
+            if spec.background:
+                self._load_in_background(spec)
+            else:
+                self._errors.update(self._load_checked(spec))
 
-    def _load_one(self, spec: LoadSpec) -> None:
+    def _load_checked(self, spec: LoadSpec) -> set[int]:
+        """Blocks of ``spec`` that could not be filled."""
+        try:
+            return self._load_one(spec)
+        except Exception as exc:  # unreachable by design; still never the engine's problem
+            self._log_once("load", "kvstore load for %s failed: %r", spec.req_id, exc)
+            return set(spec.block_ids[spec.first_block :])
+
+    def _load_in_background(self, spec: LoadSpec) -> None:
+        if self._loader is None:
+            self._loader = queue.Queue()
+            threading.Thread(target=self._load_loop, daemon=True, name="kvstore-load").start()
+        self._loader.put(spec)
+
+    def _load_loop(self) -> None:
+        while True:
+            spec = self._loader.get()
+            if spec is None:
+                return
+            bad = self._load_checked(spec)
+            if self._layers and self._layers[0].is_cuda:
+                torch.cuda.synchronize(self._layers[0].device)  # the copies have landed
+            with self._loaded_lock:
+                self._loaded.append((spec.req_id, bad))
+
+    def loads_done(self) -> set[str]:
+        """Requests whose background load ended since the last call; the blocks it could
+        not fill are in the next ``load_errors()`` (vLLM asks for both in one pass)."""
+        with self._loaded_lock:
+            done, self._loaded = self._loaded, []
+        for _, bad in done:
+            self._errors.update(bad)
+        return {req_id for req_id, _ in done}
+
+    def _load_one(self, spec: LoadSpec) -> set[int]:
         bpc = self.blocks_per_chunk
         keys = [part_key(k, self.rank, self.tp) for k in spec.keys]
         loaded = 0
@@ -153,13 +191,14 @@ class WorkerHalf:
                 self.counters.loaded_bytes += memoryview(payload).nbytes
         except Exception as exc:  # the blocks below are recomputed; the engine goes on
             log.warning("kvstore load for %s stopped after %d chunks: %s", spec.req_id, loaded, exc)
+        bad: set[int] = set()
         if loaded < len(keys):
             self.counters.load_failures += 1
-            first_bad = max(loaded * bpc, spec.first_block)
-            self._errors.update(spec.block_ids[first_bad:])
+            bad.update(spec.block_ids[max(loaded * bpc, spec.first_block) :])
         self.counters.loaded_chunks += loaded
         self.counters.loaded_tokens += max(0, loaded * bpc - spec.first_block) * self.block_size
         self.counters.load_seconds += time.perf_counter() - t0
+        return bad
 
     def _fetch(self, keys: list[bytes]) -> list:
         """Payloads of the stored prefix of ``keys``: on the store's host copied once, from
@@ -369,6 +408,8 @@ class WorkerHalf:
             return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
 
     def close(self) -> None:
+        if self._loader is not None:
+            self._loader.put(None)
         self.flush(self.config.save_timeout_s)
         if self._sender is not None:
             self._queue.put(None)

@@ -181,27 +181,52 @@ def test_b_loads_a_prefix_that_a_prefilled_and_matches_recompute_exactly(cluster
     assert got["tokens"] == ref.generate(shorter)["tokens"]
 
 
-def test_fp8_codec_loads_and_reports_agreement(model, cluster):
+@pytest.fixture(scope="module")
+def more(model, cluster):
+    """Started together: an fp8 pair over TCP, and a raw node C that loads in the
+    background (``load_async``: the request waits out of the batch while others run)."""
     store = cluster["store"]
-    a8, b8 = start_engines(model, [connector(store.address, "fp8", transport="tcp")] * 2)
-    try:
-        prefix = tokens(10, PREFIX)
-        a8.generate(prefix + tokens(11, 20))
-        assert wait_for_chunks(store.address, 4 + 4) >= 8  # raw chunks plus fp8 chunks
-        prompt = prefix + tokens(12, 20)
-        got = b8.generate(prompt)
-        want = cluster["ref"].generate(prompt)
-        assert got["num_cached_tokens"] == PREFIX
-        same = sum(x == y for x, y in zip(got["tokens"], want["tokens"]))
-        deltas = [abs(x - y) for x, y in zip(got["logprobs"], want["logprobs"])]
-        print(
-            f"\nfp8: {same}/{len(want['tokens'])} tokens equal; logprob delta "
-            f"max {max(deltas):.4f} mean {sum(deltas) / len(deltas):.4f}"
-        )
-        assert got["tokens"][0] == want["tokens"][0]
-    finally:
-        a8.close()
-        b8.close()
+    fp8 = connector(store.address, "fp8", transport="tcp")
+    engines = start_engines(model, [fp8, fp8, connector(store.address, load_async=True)])
+    yield dict(zip(("a8", "b8", "c"), engines))
+    for e in engines:
+        e.close()
+
+
+def test_fp8_codec_loads_and_reports_agreement(cluster, more):
+    store, a8, b8 = cluster["store"], more["a8"], more["b8"]
+    prefix = tokens(10, PREFIX)
+    a8.generate(prefix + tokens(11, 20))
+    assert wait_for_chunks(store.address, 4 + 4) >= 8  # raw chunks plus fp8 chunks
+    prompt = prefix + tokens(12, 20)
+    got = b8.generate(prompt)
+    want = cluster["ref"].generate(prompt)
+    assert got["num_cached_tokens"] == PREFIX
+    same = sum(x == y for x, y in zip(got["tokens"], want["tokens"]))
+    deltas = [abs(x - y) for x, y in zip(got["logprobs"], want["logprobs"])]
+    print(
+        f"\nfp8: {same}/{len(want['tokens'])} tokens equal; logprob delta "
+        f"max {max(deltas):.4f} mean {sum(deltas) / len(deltas):.4f}"
+    )
+    assert got["tokens"][0] == want["tokens"][0]
+
+
+def test_background_loads_match_recompute_exactly_with_requests_in_flight(cluster, more):
+    store, a, c, ref = cluster["store"], cluster["a"], more["c"], cluster["ref"]
+    prefixes = [tokens(40 + i, PREFIX) for i in range(3)]
+    with KVStoreClient(store.address) as client:
+        before = client.stats().chunks
+    for p in prefixes:
+        a.generate(p + tokens(50, 5), max_tokens=1)
+    assert wait_for_chunks(store.address, before + 3 * 4) >= before + 3 * 4
+    # three requests at once: each loads its own prefix in the background while the
+    # others wait or run; a fourth shares nothing and runs meanwhile
+    batch = [{"prompt": p + tokens(60 + i, 20)} for i, p in enumerate(prefixes)]
+    batch.append({"prompt": tokens(70, 90)})
+    got = c.ask({"batch": batch, "max_tokens": 12})["outputs"]
+    want = ref.ask({"batch": batch, "max_tokens": 12})["outputs"]
+    assert [g["num_cached_tokens"] for g in got] == [PREFIX] * 3 + [0]
+    assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
 
 
 def test_a_dead_store_means_recompute_not_a_crash(cluster):
