@@ -22,6 +22,7 @@ shared memory (same host), where no payload crosses gRPC at all.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import statistics
 import time
@@ -36,20 +37,37 @@ SMALL = Namespace("bench-service-small", "r0", 1, 1, 8, 16, "raw")  # 512 B per 
 LOOKUP_KEYS = 512
 STORED = (512, 496, 480, 448)  # the stored prefix of each lookup chain
 # what one 64 MiB put carries: (namespace, chunk shape (layers, kv_heads, tokens, head_dim),
-# chunks, over shared memory); bf16 K+V, so a chunk is 4 x its shape's product, plus a header
+# chunks, over shared memory, the client's put_part_bytes); bf16 K+V, so a chunk is 4 x its
+# shape's product, plus a header. put_part_bytes None is the client's default; 0 sends each
+# chunk whole in one message, as clients did before parts.
 PUTS = {
     "llama8b_bf16": (
         Namespace("bench-llama8b", "r0", 32, 8, 128, 256, "raw"),
         LLAMA8B_CHUNK,
         2,
         False,
+        None,
     ),
-    "1MiB": (Namespace("bench-1mib", "r0", 4, 8, 128, 64, "raw"), (4, 8, 64, 128), 64, False),
+    "llama8b_bf16_whole": (
+        Namespace("bench-llama8b-whole", "r0", 32, 8, 128, 256, "raw"),
+        LLAMA8B_CHUNK,
+        2,
+        False,
+        0,
+    ),
+    "1MiB": (
+        Namespace("bench-1mib", "r0", 4, 8, 128, 64, "raw"),
+        (4, 8, 64, 128),
+        64,
+        False,
+        None,
+    ),
     "llama8b_bf16_shm": (
         Namespace("bench-llama8b-shm", "r0", 32, 8, 128, 256, "raw"),
         LLAMA8B_CHUNK,
         2,
         True,
+        None,
     ),
 }
 DRAM_BYTES = 512 << 20
@@ -67,19 +85,24 @@ def tiered_store(tmp: str, put_bytes: int):
 
 def put_bytes(puts: int) -> int:
     """Bytes ``puts`` 64 MiB puts of every kind store."""
-    return sum(puts * n * chunk_len("raw", "bfloat16", shape) for _, shape, n, _ in PUTS.values())
+    return sum(puts * n * chunk_len("raw", "bfloat16", shape) for _, shape, n, *_ in PUTS.values())
 
 
-def put_stream(conn, target: str, kind: str, puts: int, seconds: float) -> None:
+def put_stream(
+    conn, target: str, kind: str, puts: int, seconds: float, first_seed: int = 10_000
+) -> None:
     """Child process: build one bf16 chunk, say ready, then put 64 MiB chains on "go"."""
-    ns, shape, per_put, shm = PUTS[kind]
+    ns, shape, per_put, shm, part_bytes = PUTS[kind]
     n = 2 * int(np.prod(shape))  # K and V elements
     normal = np.random.default_rng(5).standard_normal(n, dtype=np.float32)
     bf16 = (normal.view(np.uint32) >> 16).astype(np.uint16)  # bfloat16, truncated
     payload = bytes(chunk_payload("raw", "bfloat16", shape, bf16.view(np.uint8)))
     times: list[tuple[float, float]] = []
     errors: list[str] = []
-    with KVStoreClient(target, ClientOptions(timeout_s=120.0)) as client:
+    options = ClientOptions(timeout_s=120.0)
+    if part_bytes is not None:
+        options = dataclasses.replace(options, put_part_bytes=part_bytes)
+    with KVStoreClient(target, options) as client:
         client.ping()
         conn.send("ready")
         conn.recv()
@@ -87,7 +110,7 @@ def put_stream(conn, target: str, kind: str, puts: int, seconds: float) -> None:
         for i in range(puts):
             if time.monotonic() > deadline:
                 break
-            records = chain(ns, [payload] * per_put, seed=10_000 + i)
+            records = chain(ns, [payload] * per_put, seed=first_seed + i)
             t0 = time.perf_counter()
             try:
                 res = client.put(records, shm=shm)
@@ -132,11 +155,25 @@ def _pct(lat: list[float]) -> dict[str, float]:
     }
 
 
-def _under_puts(client, chains, target: str, kind: str, puts: int, seconds: float, idle: int):
-    """Lookups while a put process streams; ``idle`` > 0 first times that many without it."""
+def _under_puts(
+    client,
+    chains,
+    target: str,
+    kind: str,
+    puts: int,
+    seconds: float,
+    idle: int,
+    first_seed: int = 10_000,
+):
+    """Lookups while a put process streams; ``idle`` > 0 first times that many without it.
+
+    ``first_seed`` picks the chains put: repeating one puts duplicates.
+    """
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    putter = ctx.Process(target=put_stream, args=(child_conn, target, kind, puts, seconds))
+    putter = ctx.Process(
+        target=put_stream, args=(child_conn, target, kind, puts, seconds, first_seed)
+    )
     putter.start()
     try:
         if conn.recv() != "ready":

@@ -15,6 +15,7 @@ server code, so a vLLM process loads neither the index nor the tiers.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterator, Sequence
@@ -31,6 +32,7 @@ from kvstore.rpc.tls import ClientAuth
 
 DEFAULT_MAX_MESSAGE = 65 << 20
 PUT_BATCH_BYTES = 4 << 20
+PUT_PART_BYTES = 4 << 20
 # gRPC clamps a retryPolicy's maxAttempts to 5 (and logs an error when asked for more).
 MAX_ATTEMPTS = 5
 # The calls gRPC may retry: asking again changes nothing the caller did not ask for. A retried
@@ -63,6 +65,11 @@ class ClientOptions:
     backoff_s: float = 0.05
     max_message_bytes: int = DEFAULT_MAX_MESSAGE
     put_batch_bytes: int = PUT_BATCH_BYTES
+    # a chunk's payload longer than this is put in parts of this size, so that no one gRPC
+    # message holds a whole large chunk (the store's Python server builds each received
+    # message with its GIL held: a 32 MiB message stalled its lookups for tens of ms);
+    # 0 sends every chunk whole, as stores from before parts need
+    put_part_bytes: int = PUT_PART_BYTES
     # how long a shared-memory read may take before the store may reuse its slots;
     # None takes the server's default. A read that outlasts it is redone over TCP.
     shm_lease_ttl_s: float | None = None
@@ -74,6 +81,10 @@ class ClientOptions:
             raise ValueError(
                 f"retries must be >= 0 and backoff_s a positive number of seconds, "
                 f"got {self.retries} and {self.backoff_s}"
+            )
+        if self.put_part_bytes < 0:
+            raise ValueError(
+                f"put_part_bytes must be >= 0 (0: no parts), got {self.put_part_bytes}"
             )
         ttl = self.shm_lease_ttl_s
         if ttl is not None and not (math.isfinite(ttl) and ttl > 0):
@@ -138,10 +149,23 @@ def _batches(records: Sequence[ChunkRecord], limit: int) -> list[list[ChunkRecor
     return out
 
 
-def _encoded(batches: list[list[ChunkRecord]]) -> Iterator[bytes]:
+def _encoded(batches: list[list[ChunkRecord]], part_bytes: int) -> Iterator[bytes]:
     # One message at a time, as gRPC sends them: encoding them all up front held the whole
     # put in freshly allocated memory, whose page faults cost about a fifth of a put's time.
-    return (wire.encode_put_request(batch) for batch in batches)
+    for batch in batches:
+        whole: list[ChunkRecord] = []
+        for rec in batch:
+            payload = memoryview(rec.payload)
+            if not part_bytes or payload.nbytes <= part_bytes:
+                whole.append(rec)
+                continue
+            first = dataclasses.replace(rec, payload=payload[:part_bytes])
+            yield wire.encode_put_request([*whole, first], total_length=payload.nbytes)
+            whole = []
+            for pos in range(part_bytes, payload.nbytes, part_bytes):
+                yield wire.encode_put_part(payload[pos : pos + part_bytes])
+        if whole:
+            yield wire.encode_put_request(whole)
 
 
 def _lookup_result(resp: pb.LookupResponse) -> LookupResult:
@@ -335,7 +359,7 @@ class KVStoreClient:
         # Put is idempotent (a stored key is a duplicate): a retry re-sends every batch.
         resp = self._call(
             "Put",
-            lambda b, timeout: self._put(_encoded(b), timeout=timeout),
+            lambda b, timeout: self._put(_encoded(b, self.options.put_part_bytes), timeout=timeout),
             batches,
             timeout_s=timeout_s,
         )
@@ -437,7 +461,11 @@ class AsyncKVStoreClient:
         self, records: Sequence[ChunkRecord], timeout_s: float | None = None
     ) -> PutResult:
         batches = _batches(records, self.options.put_batch_bytes)
-        resp = await self._call("Put", lambda t: self._put(_encoded(batches), timeout=t), timeout_s)
+        resp = await self._call(
+            "Put",
+            lambda t: self._put(_encoded(batches, self.options.put_part_bytes), timeout=t),
+            timeout_s,
+        )
         return _put_result(resp)
 
     async def release(self, lease_id: int, timeout_s: float | None = None) -> None:

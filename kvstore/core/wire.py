@@ -1,15 +1,18 @@
 """Hand-coded protobuf framing for the two bulk messages, ``Chunk`` and ``PutRequest``.
 
-Offers ``encode_chunk``, ``parse_chunk``, ``encode_put_request`` and
-``parse_put_request``. The bytes are exactly what protoc's code would produce or
-accept for ``kvstore.v1.Chunk`` / ``PutRequest``, so stock gRPC tools still
-understand them; doing it by hand avoids protobuf's copy and parse of every
-megabyte payload (it halves streaming throughput). Pure: no grpc import.
+Offers ``encode_chunk``, ``parse_chunk``, ``encode_put_request``, ``encode_put_part``,
+``parse_put_request`` and ``parse_put_message``. The bytes are exactly what protoc's code
+would produce or accept for ``kvstore.v1.Chunk`` / ``PutRequest``, so stock gRPC tools
+still understand them; doing it by hand avoids protobuf's copy and parse of every
+megabyte payload (it halves streaming throughput). A large payload may be put in parts:
+the chunk's ``total_length`` says its whole size, and the next messages carry the rest
+(``PutRequest.part``). Pure: no grpc import.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from kvstore.core.types import ChunkRecord, InvalidArgument
 
@@ -88,9 +91,11 @@ def parse_chunk(message: bytes) -> tuple[bytes, memoryview | None]:
     return key, payload
 
 
-def encode_put_request(records: Sequence[ChunkRecord]) -> bytes:
+def encode_put_request(records: Sequence[ChunkRecord], total_length: int = 0) -> bytes:
+    """A ``PutRequest`` of ``records``; with ``total_length``, the last record's payload is
+    only the first part of one that many bytes long (the rest follows in parts)."""
     parts: list[bytes | bytearray | memoryview] = []
-    for rec in records:
+    for i, rec in enumerate(records):
         body_parts = [_KEY_TAG + _varint(len(rec.key)) + rec.key]
         if rec.parent:
             body_parts.append(b"\x12" + _varint(len(rec.parent)) + rec.parent)
@@ -99,19 +104,45 @@ def encode_put_request(records: Sequence[ChunkRecord]) -> bytes:
         size = memoryview(rec.payload).nbytes
         body_parts.append(b"\x22" + _varint(size))
         head = b"".join(body_parts)
-        parts += [b"\x0a" + _varint(len(head) + size), head, rec.payload]
+        tail = b"\x28" + _varint(total_length) if total_length and i == len(records) - 1 else b""
+        parts += [b"\x0a" + _varint(len(head) + size + len(tail)), head, rec.payload, tail]
     return b"".join(parts)
 
 
-def parse_put_request(message: bytes) -> list[ChunkRecord]:
-    """The chunks of a ``PutRequest``; payloads are zero-copy views of ``message``."""
+def encode_put_part(part: bytes | bytearray | memoryview) -> bytes:
+    """A ``PutRequest`` that carries only the next part of a payload sent in parts."""
+    return b"".join((b"\x12" + _varint(memoryview(part).nbytes), part))
+
+
+@dataclass(frozen=True, slots=True)
+class PutMessage:
+    """One parsed ``PutRequest``: whole chunks, and what it carries of a chunk in parts.
+
+    ``total_length`` is nonzero when the last of ``records`` holds only the first part of
+    its payload; ``part`` is the next part of the payload of a chunk sent before.
+    """
+
+    records: list[ChunkRecord]
+    total_length: int = 0
+    part: memoryview | None = None
+
+
+def parse_put_message(message: bytes) -> PutMessage:
+    """The chunks and payload part of a ``PutRequest``; payloads are views of ``message``."""
     records = []
+    total = part = None
     for field, value in _fields(memoryview(message)):
+        if field == 2 and isinstance(value, memoryview):
+            part = value
         if field != 1 or not isinstance(value, memoryview):
             continue
+        if total:
+            raise InvalidArgument("only the last chunk of a PutRequest may be sent in parts")
         key = parent = ns = b""
         payload: memoryview = memoryview(b"")
         for sub, sv in _fields(value):
+            if sub == 5 and isinstance(sv, int):
+                total = sv
             if not isinstance(sv, memoryview):
                 continue
             if sub == 1:
@@ -123,4 +154,12 @@ def parse_put_request(message: bytes) -> list[ChunkRecord]:
             elif sub == 4:
                 payload = sv
         records.append(ChunkRecord(key, parent or None, ns, payload))
-    return records
+    return PutMessage(records, total or 0, part)
+
+
+def parse_put_request(message: bytes) -> list[ChunkRecord]:
+    """The chunks of a ``PutRequest`` of whole chunks; payloads are views of ``message``."""
+    parsed = parse_put_message(message)
+    if parsed.total_length or parsed.part is not None:
+        raise InvalidArgument("PutRequest carries a payload in parts; use parse_put_message")
+    return parsed.records

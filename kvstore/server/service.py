@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Iterator
 
 import grpc
+import numpy as np
 
 from kvstore.core import wire
 from kvstore.core.types import ChunkRecord, NotFound
@@ -93,36 +94,65 @@ class KVStoreService(ShmRpcs, AdminRpcs):
                 return put(caller)
 
         def put(caller: Caller):
-            stored = dups = 0
-            rejected = []
-            for records in request_iterator:
-                if isinstance(records, Malformed):
-                    raise Abort(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        f"malformed PutRequest: {records.error}",
-                        "invalid_argument",
-                    )
-                nbytes = sum(memoryview(r.payload).nbytes for r in records)
-                self._wire("in", nbytes)
-                records = self._check_put(records, caller)
-                with self.quotas.inflight(caller.client, nbytes):
-                    result = self.store.put(records, owner=caller.tag)
-                stored += result.stored
-                dups += result.duplicates
-                rejected += result.rejected
+            totals = _PutTotals()
+            parts: _Parts | None = None
+            try:
+                for message in request_iterator:
+                    if isinstance(message, Malformed):
+                        raise _malformed(message.error)
+                    if message.part is not None:
+                        if parts is None:
+                            raise _malformed("a payload part with no chunk sent in parts before it")
+                        self._wire("in", message.part.nbytes)
+                        if parts.add(message.part):
+                            done, parts = parts, None
+                            try:
+                                totals.add(self.store.put([done.record()], owner=caller.tag))
+                            finally:
+                                done.release()
+                    if not message.records:
+                        continue
+                    if parts is not None:
+                        raise _malformed(parts.unfinished())
+                    records = self._check_put(message.records, caller, message.total_length)
+                    if message.total_length:
+                        *records, last = records
+                        quota = self.quotas.inflight(caller.client, message.total_length)
+                        parts = _Parts(last, message.total_length, quota)
+                    nbytes = sum(memoryview(r.payload).nbytes for r in records)
+                    self._wire("in", nbytes + (parts.filled if parts is not None else 0))
+                    if records:
+                        with self.quotas.inflight(caller.client, nbytes):
+                            totals.add(self.store.put(records, owner=caller.tag))
+                if parts is not None:
+                    raise _malformed(parts.unfinished())
+            finally:
+                if parts is not None:
+                    parts.release()
             # chunks the store refused are counted by the store, under fixed codes
             return pb.PutResponse(
-                stored=stored,
-                duplicates=dups,
-                rejected=[pb.Rejected(key=k, reason=r) for k, r in rejected],
+                stored=totals.stored,
+                duplicates=totals.duplicates,
+                rejected=[pb.Rejected(key=k, reason=r) for k, r in totals.rejected],
             )
 
         return self._call("Put", context, run)
 
-    def _check_put(self, records: list[ChunkRecord], caller: Caller) -> list[ChunkRecord]:
+    def _check_put(
+        self, records: list[ChunkRecord], caller: Caller, total_length: int = 0
+    ) -> list[ChunkRecord]:
+        """``records`` checked and tagged; with ``total_length``, the last one's payload
+        is only the first part of that many bytes, and the limits apply to the whole."""
         self._keys([r.key for r in records])
-        for r in records:
+        for i, r in enumerate(records):
             size = memoryview(r.payload).nbytes
+            if total_length and i == len(records) - 1:
+                if total_length <= size:
+                    raise _malformed(
+                        f"chunk {r.key.hex()} is sent in parts of {total_length} bytes in all, "
+                        f"but its first part alone is {size} bytes"
+                    )
+                size = total_length
             if size > self.limits.max_chunk_bytes:
                 raise Abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -157,3 +187,70 @@ class KVStoreService(ShmRpcs, AdminRpcs):
             return pb.ReleaseResponse()
 
         return self._call("Release", context, run)
+
+
+def _malformed(error: str) -> Abort:
+    return Abort(
+        grpc.StatusCode.INVALID_ARGUMENT, f"malformed PutRequest: {error}", "invalid_argument"
+    )
+
+
+class _PutTotals:
+    """What a Put stream's store batches stored, found stored and refused, added up."""
+
+    def __init__(self) -> None:
+        self.stored = self.duplicates = 0
+        self.rejected: list[tuple[bytes, str]] = []
+
+    def add(self, result) -> None:
+        self.stored += result.stored
+        self.duplicates += result.duplicates
+        self.rejected += result.rejected
+
+
+class _Parts:
+    """One chunk whose payload arrives in parts, copied into one buffer as they come.
+
+    gRPC's Python server turns each received message into one ``bytes`` with the GIL held
+    (a 32 MiB chunk in one message held lookups up for tens of ms); parts keep each
+    message small. The buffer is ``np.empty`` (a ``bytearray`` zeroes, and so page-faults,
+    all of it with the GIL held) and ``np.copyto`` lets the GIL go while it copies. The
+    client's in-flight byte quota covers the whole payload from its first part until
+    ``release``.
+    """
+
+    def __init__(self, head: ChunkRecord, total: int, quota) -> None:
+        self.head, self.total, self.quota = head, total, quota
+        quota.__enter__()  # refuses (QuotaExceeded) before a byte is allocated
+        try:
+            self.buf = np.empty(total, np.uint8)
+        except BaseException:
+            quota.__exit__(None, None, None)
+            raise
+        self.filled = 0
+        self.add(memoryview(head.payload))
+
+    def add(self, part: memoryview) -> bool:
+        """Append ``part``; True once the payload is whole."""
+        n = part.nbytes
+        if self.filled + n > self.total:
+            raise _malformed(
+                f"the parts of chunk {self.head.key.hex()} add up to more than its "
+                f"total_length of {self.total} bytes"
+            )
+        np.copyto(self.buf[self.filled : self.filled + n], np.frombuffer(part, np.uint8))
+        self.filled += n
+        return self.filled == self.total
+
+    def release(self) -> None:
+        """Give the payload's bytes back to the client's in-flight quota."""
+        self.quota.__exit__(None, None, None)
+
+    def record(self) -> ChunkRecord:
+        return dataclasses.replace(self.head, payload=memoryview(self.buf))
+
+    def unfinished(self) -> str:
+        return (
+            f"chunk {self.head.key.hex()}'s payload ended after {self.filled} of its "
+            f"total_length of {self.total} bytes"
+        )

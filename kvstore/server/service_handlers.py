@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from kvstore.core import wire
-from kvstore.core.types import ChunkRecord, InvalidArgument
+from kvstore.core.types import InvalidArgument
 from kvstore.rpc.pb import SERVICE, pb
 from kvstore.server.service_calls import Abort, ServiceCalls
 
@@ -95,8 +95,8 @@ def _refuse(request: Malformed):
     raise Abort(grpc.StatusCode.INVALID_ARGUMENT, request.error, "malformed_request")
 
 
-def _parse_put(data: bytes) -> list[ChunkRecord] | Malformed:
+def _parse_put(data: bytes) -> wire.PutMessage | Malformed:
     try:
-        return wire.parse_put_request(data)
+        return wire.parse_put_message(data)
     except InvalidArgument as exc:
         return Malformed(str(exc))

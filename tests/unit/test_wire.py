@@ -41,3 +41,36 @@ def test_put_request_matches_protobuf_both_ways():
 def test_malformed_messages_raise_invalid_argument(bad):
     with pytest.raises(InvalidArgument):
         wire.parse_put_request(bad)
+
+
+def test_a_payload_in_parts_matches_protobuf_both_ways():
+    records = [
+        ChunkRecord(b"a" * 16, None, b"n" * 32, b"p" * 200),
+        ChunkRecord(b"b" * 16, b"a" * 16, b"", b"q" * 300),  # the first 300 of 70000 bytes
+    ]
+    ours = wire.encode_put_request(records, total_length=70000)
+    theirs = pb.PutRequest(
+        chunks=[
+            pb.PutChunk(key=r.key, parent=r.parent or b"", namespace=r.ns, payload=r.payload)
+            for r in records
+        ]
+    )
+    theirs.chunks[1].total_length = 70000
+    assert ours == theirs.SerializeToString()
+    head = wire.parse_put_message(ours)
+    assert head.total_length == 70000 and head.part is None
+    assert [bytes(r.payload) for r in head.records] == [b"p" * 200, b"q" * 300]
+
+    part = wire.encode_put_part(b"r" * 1000)
+    assert part == pb.PutRequest(part=b"r" * 1000).SerializeToString()
+    more = wire.parse_put_message(part)
+    assert more.records == [] and more.total_length == 0 and bytes(more.part) == b"r" * 1000
+    with pytest.raises(InvalidArgument, match="in parts"):
+        wire.parse_put_request(ours)  # the whole-chunks parser never hands out a first part
+
+
+def test_only_the_last_chunk_of_a_message_may_come_in_parts():
+    first = pb.PutChunk(key=b"a" * 16, namespace=b"n" * 32, payload=b"p", total_length=10)
+    then = pb.PutChunk(key=b"b" * 16, parent=b"a" * 16, payload=b"q")
+    with pytest.raises(InvalidArgument, match="only the last chunk"):
+        wire.parse_put_message(pb.PutRequest(chunks=[first, then]).SerializeToString())

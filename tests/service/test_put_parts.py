@@ -1,0 +1,115 @@
+"""A chunk's payload put in parts (``PutChunk.total_length`` then ``PutRequest.part``)
+is stored byte-identical to one put whole, and a part sequence that lies about its size
+is refused with a message that says how, with nothing of that chunk stored."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from kvstore.client import ClientOptions, KVStoreClient
+from kvstore.core import wire
+from kvstore.server.service import Limits
+from tests.chunks import chain
+from tests.service.conftest import keys_of, payloads_of
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("part_bytes", [36, 5000, 1 << 20])
+def test_parts_reassemble_byte_identical(served, part_bytes):
+    records = chain(3, seed=1)  # 32 KiB + 36 B payloads: parts end short or exact
+    with KVStoreClient(served.address, ClientOptions(put_part_bytes=part_bytes)) as c:
+        result = c.put(records)
+        assert (result.stored, result.duplicates, result.rejected) == (3, 0, [])
+        assert [bytes(p) for p in c.get(keys_of(records))] == payloads_of(records)
+        assert c.put(records).duplicates == 3
+
+
+def test_whole_chunks_of_older_clients_are_still_accepted(served):
+    records = chain(3, seed=2)
+    with KVStoreClient(served.address, ClientOptions(put_part_bytes=0)) as c:
+        assert c.put(records).stored == 3
+        assert [bytes(p) for p in c.get(keys_of(records))] == payloads_of(records)
+
+
+def first_part(records, cut: int, total: int | None = None) -> bytes:
+    """A PutRequest of ``records`` whose last payload is cut after ``cut`` bytes."""
+    *whole, last = records
+    payload = memoryview(last.payload)
+    head = type(last)(last.key, last.parent, last.ns, payload[:cut])
+    return wire.encode_put_request([*whole, head], total_length=total or payload.nbytes)
+
+
+def refused(stub, messages) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        stub.put(iter(messages), timeout=10)
+    assert err.value.code() not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+    return err.value
+
+
+def rest(records, cut: int) -> bytes:
+    return wire.encode_put_part(memoryview(records[-1].payload)[cut:])
+
+
+def test_parts_that_lie_about_the_size_are_refused_and_nothing_of_the_chunk_is_stored(
+    served, raw_stub
+):
+    records = chain(2, seed=3)
+    size = len(records[-1].payload)
+    stub = raw_stub(served.address)
+    cases = {
+        "add up to more than": [first_part(records, 100, size - 1), rest(records, 100)],
+        f"ended after 100 of its total_length of {size}": [first_part(records, 100)],
+        "ended after 100": [first_part(records, 100), wire.encode_put_request(chain(1, seed=4))],
+        "its first part alone": [first_part(records, size - 1, 10)],
+        "no chunk sent in parts before it": [wire.encode_put_part(b"x" * 10)],
+    }
+    for text, messages in cases.items():
+        err = refused(stub, messages)
+        assert err.code() == INVALID and text in err.details(), (text, err.details())
+        assert "malformed PutRequest" in err.details()
+        with KVStoreClient(served.address) as c:
+            # records[0] went whole with the first lying part and is kept; records[1] never
+            assert c.lookup(keys_of(records)).matched == 1
+    with KVStoreClient(served.address) as c:  # the server keeps serving
+        assert c.put(records).stored == 1
+        assert [bytes(p) for p in c.get(keys_of(records))] == payloads_of(records)
+
+
+def test_max_chunk_bytes_applies_to_the_whole_payload_before_any_part_is_kept(serve, raw_stub):
+    records = chain(1, seed=5)
+    size = len(records[0].payload)
+    served = serve(limits=Limits(max_chunk_bytes=size - 1))
+    err = refused(raw_stub(served.address), [first_part(records, 100)])
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"is {size} bytes; max_chunk_bytes is {size - 1}" in err.details()
+
+
+def test_a_payload_in_parts_holds_all_its_bytes_in_flight_from_its_first_part(serve, raw_stub):
+    records = chain(1, seed=5)
+    size = len(records[0].payload)
+    served = serve(limits=Limits(max_inflight_bytes_per_client=size + 100))
+    stub = raw_stub(served.address)
+    first_sent, go = threading.Event(), threading.Event()
+
+    def slow():
+        yield first_part(records, 100)
+        first_sent.set()
+        go.wait(10)
+        yield rest(records, 100)
+
+    held = stub.put.future(slow(), timeout=20)
+    assert first_sent.wait(10)
+    other = chain(1, seed=6)
+    try:
+        err = refused(stub, [wire.encode_put_request(other)])
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_inflight_bytes_per_client" in err.details()
+    finally:
+        go.set()
+    assert held.result().stored == 1
+    with KVStoreClient(served.address) as c:
+        assert c.put(other).stored == 1  # the quota came back with the stored chunk
