@@ -326,10 +326,15 @@ def test_with_the_store_killed_requests_through_the_router_recompute(nodes):
     prompts = [tokens(400 + i, n) for i, n in enumerate((1100, 1900))]
     want = [complete(ref.port, prompt) for prompt in prompts]
     d_before = scrape(d.port)
-    t0 = time.monotonic()
-    got = [complete(router.port, prompt, timeout=60) for prompt in prompts]
+    got, seconds = [], []
+    for prompt in prompts:
+        t0 = time.monotonic()
+        got.append(complete(router.port, prompt, timeout=60))
+        seconds.append(time.monotonic() - t0)
     assert got == want
-    assert time.monotonic() - t0 < 60
+    print(f"\nstore killed: requests through the router took {seconds} s")
+    # neither leg waits on a store that refuses connections: a lookup fails at once
+    assert max(seconds) < 10, seconds
     wait_until(lambda: gained(d.port, d_before, COMPUTED) >= sum(map(len, prompts)))
     assert gained(d.port, d_before, COMPUTED) == sum(map(len, prompts))
     assert gained(d.port, d_before, LOADED) == 0
