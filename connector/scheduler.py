@@ -5,7 +5,7 @@ Offers ``SchedulerHalf`` with ``matched_tokens(request, num_computed_tokens)``,
 and ``finished(request)``. It keys a request's chunks with kvstore's own key
 spec (its LoRA adapter, cache salt and multimodal inputs included, see
 ``connector.identity``), asks the store with one ``Lookup`` per tensor-parallel
-rank (bounded by ``lookup_timeout_s``), and never reports the whole sequence: at
+rank, all at once (each bounded by ``lookup_timeout_s``), and never reports the whole sequence: at
 least one token is always left to compute. Any store failure means "0 tokens".
 
 Every request that vLLM counts external tokens for gets a load in the step it
@@ -29,6 +29,7 @@ import os
 import socket
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from connector.config import ConnectorConfig
@@ -101,6 +102,7 @@ class SchedulerHalf:
         self._background: list[LoadSpec] = []  # load_async: planned, not yet sent
         self._logged: set[str] = set()
         self._idle = False  # the last step scheduled nothing
+        self._pool: ThreadPoolExecutor | None = None  # tensor parallelism: ranks asked at once
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.counters = SchedulerCounters()
 
@@ -194,24 +196,28 @@ class SchedulerHalf:
         With ``reserve`` the missing rest is reserved to this engine unless another
         engine already computes it (single-flight; rank 0's keys stand for all ranks).
         """
-        matched, pending = len(keys), 0
         ttl = self.config.lease_ttl_s if lease else 0.0
         self.counters.lookups += 1
+
+        def ask(rank: int):
+            parts = [part_key(k, rank, self.tp) for k in keys]
+            extra = {}
+            if reserve and rank == 0:
+                extra = {"reserve_ttl_s": self.config.reserve_ttl_s, "holder": self.holder}
+            return self.client.lookup(parts, lease_ttl_s=ttl, **extra)
+
         try:
-            for rank in range(self.tp):
-                parts = [part_key(k, rank, self.tp) for k in keys[:matched]]
-                extra = {}
-                if reserve and rank == 0:
-                    extra = {"reserve_ttl_s": self.config.reserve_ttl_s, "holder": self.holder}
-                res = self.client.lookup(parts, lease_ttl_s=ttl, **extra)
-                if res.lease_id:
-                    state.lease_ids.append(res.lease_id)
-                if rank == 0:
-                    pending = res.pending
-                    self.counters.reservations += res.reserved > 0
-                matched = min(matched, res.matched)
-                if matched == 0 and not pending:
-                    break
+            if self.tp == 1:
+                results = [ask(0)]
+            else:  # every rank's part at once: one round trip, not one per rank
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.tp, thread_name_prefix="kvstore-lookup")
+                futures = [self._pool.submit(ask, rank) for rank in range(self.tp)]
+                results = [f.result() for f in futures]
+            state.lease_ids += [r.lease_id for r in results if r.lease_id]
+            matched = min(r.matched for r in results)
+            pending = results[0].pending
+            self.counters.reservations += results[0].reserved > 0
         except Exception as exc:  # a store that is down or slow must never stop the engine
             self.counters.lookup_failures += 1
             self._log_once("lookup", "kvstore lookup failed, computing instead: %s", exc)
@@ -400,5 +406,7 @@ class SchedulerHalf:
             log.warning(msg + " (logged once; see the connector's counters)", *args)
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
         if self._client is not None:
             self._client.close()
