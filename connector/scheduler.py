@@ -36,18 +36,10 @@ from connector.config import ConnectorConfig
 from connector.handoff import expected_chunks, handoff_params, wants_handoff
 from connector.identity import RequestChain, unkeyable
 from connector.plan import KVStoreMetadata, LoadSpec, SaveSpec
+from connector.waits import Wait
 from kvstore.core.keys import Namespace, part_key
 
 log = logging.getLogger(__name__)
-
-POLL_S = 0.01  # between two lookups of a waiting request
-
-
-@dataclass
-class _Wait:
-    target: int  # leading chunks a prefill node said it saved (0: none named)
-    until: float  # give up and compute (monotonic)
-    next_poll: float = 0.0
 
 
 @dataclass
@@ -59,7 +51,7 @@ class _Request:
     lease_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0  # leading chunks stored or planned for saving; -1: saving given up
-    wait: _Wait | None = None  # waiting for chunks another node is computing
+    wait: Wait | None = None  # waiting for chunks another node is computing
     waited: bool = False  # a wait ended (hit or timed out): never wait again
 
 
@@ -225,9 +217,8 @@ class SchedulerHalf:
         return matched, pending, True
 
     def _keep_waiting(self, state: _Request, request, keys, pending: int, ok: bool) -> bool:
-        """Whether the request should wait for chunks another node is computing: those a
-        prefill node said it saved, or those another engine reserved. Bounded by
-        ``wait_timeout_s``; a store that fails ends the wait."""
+        """Whether the request should wait (``connector.waits``) for chunks another node is
+        computing: those a prefill node said it saved, or those another engine reserved."""
         if state.waited:
             return False
         now = time.monotonic()
@@ -236,27 +227,26 @@ class SchedulerHalf:
             target, why = expected_chunks(params, self.ns, keys)
             if why:
                 self._log_once("handoff", "kvstore: ignoring P/D params: %s", why)
-            if not ok or (state.stored >= target and not pending):
+            timeout = self.config.wait_timeout_s
+            state.wait = Wait.begin(target, state.stored, pending, ok, timeout, now)
+            if state.wait is None:
                 return False
-            state.wait = _Wait(target, now + self.config.wait_timeout_s)
             self.counters.waits += 1
-        wait = state.wait
-        arrived = state.stored >= wait.target and not pending
-        if arrived or not ok or now >= wait.until:
-            state.wait, state.waited = None, True
-            if not arrived:
-                self.counters.wait_timeouts += 1
-                log.info(
-                    "kvstore: %s stopped waiting for another node's chunks (%d of %d stored, "
-                    "%d pending): computing the rest",
-                    request.request_id,
-                    state.stored,
-                    wait.target,
-                    pending,
-                )
-            return False
-        wait.next_poll = now + POLL_S
-        return True
+        outcome = state.wait.step(state.stored, pending, ok, now)
+        if outcome == "wait":
+            return True
+        if outcome == "gave_up":
+            self.counters.wait_timeouts += 1
+            log.info(
+                "kvstore: %s stopped waiting for another node's chunks (%d of %d stored, "
+                "%d pending): computing the rest",
+                request.request_id,
+                state.stored,
+                state.wait.target,
+                pending,
+            )
+        state.wait, state.waited = None, True
+        return False
 
     def after_alloc(self, request, num_external_tokens: int, blocks=None) -> None:
         """vLLM allocated blocks for ``num_external_tokens`` of the hit (maybe fewer than
