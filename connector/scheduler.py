@@ -53,6 +53,7 @@ class _Request:
     saved: int = 0  # leading chunks stored or planned for saving; -1: saving given up
     wait: Wait | None = None  # waiting for chunks another node is computing
     waited: bool = False  # a wait ended (hit or timed out): never wait again
+    claimed_at: float | None = None  # when this engine last reserved the chain's missing chunks
 
 
 @dataclass
@@ -210,6 +211,8 @@ class SchedulerHalf:
             matched = min(r.matched for r in results)
             pending = results[0].pending
             self.counters.reservations += results[0].reserved > 0
+            if results[0].reserved:
+                state.claimed_at = time.monotonic()
         except Exception as exc:  # a store that is down or slow must never stop the engine
             self.counters.lookup_failures += 1
             self._log_once("lookup", "kvstore lookup failed, computing instead: %s", exc)
@@ -345,6 +348,28 @@ class SchedulerHalf:
         except Exception as exc:
             self._log_once("plan", "kvstore: planning saves for %s failed: %r", req_id, exc)
             state.saved = -1
+        self._renew_claim(state)
+
+    def _renew_claim(self, state: _Request) -> None:
+        """A producer still computing the prompt chunks it reserved renews the claim every
+        half ``reserve_ttl_s``, so that only a dead producer's claim lapses, not a slow one's
+        (a prefill longer than the TTL would otherwise let a waiter compute the rest too)."""
+        if state.claimed_at is None or time.monotonic() - state.claimed_at < (
+            self.config.reserve_ttl_s / 2
+        ):
+            return
+        prompt_chunks = len(state.chain.request.prompt_token_ids or []) // self.config.chunk_tokens
+        if not 0 <= state.saved < prompt_chunks:
+            state.claimed_at = None  # all planned (the last claim outlives their sends) or given up
+            return
+        state.claimed_at = time.monotonic()
+        keys = [part_key(k, 0, self.tp) for k in state.chain.keys[:prompt_chunks]]
+        try:
+            self.client.lookup(
+                keys, lease_ttl_s=0.0, reserve_ttl_s=self.config.reserve_ttl_s, holder=self.holder
+            )
+        except Exception as exc:  # the claim lapses; waiters compute, nothing breaks
+            self._log_once("renew", "kvstore: renewing a reservation failed: %s", exc)
 
     def _plan_save_chunks(self, req_id: str, state: _Request, computed: int, out, meta) -> None:
         done = min(computed + out.num_scheduled_tokens.get(req_id, 0), state.chain.num_tokens)

@@ -166,6 +166,21 @@ def test_a_producer_that_dies_leaves_the_others_computing_after_its_reservation_
     assert b.counters.wait_timeouts == 0
 
 
+def test_a_slow_producer_renews_its_reservation_while_it_computes(store_address):
+    a = half(store_address, reserve_ttl_s=0.4)
+    b = half(store_address, wait_timeout_s=30.0)
+    ra, rb = request("a", PROMPT), request("b", PROMPT)
+    assert a.matched_tokens(ra, 0) == 0 and a.counters.reservations == 1
+    blocks = list(range(len(PROMPT) // BLOCK + 1))
+    a.build_meta(step(new=[(ra, blocks, 0)], scheduled={"a": CHUNK}))
+    # a prefills one chunk a step (chunked prefill), for longer than its claim's TTL
+    for done in range(CHUNK, 4 * CHUNK, CHUNK):
+        time.sleep(0.25)
+        a.build_meta(step(cached=[(ra, None, done)], scheduled={"a": CHUNK}))
+        assert b.matched_tokens(rb, 0) is None  # still a's: renewed, not lapsed
+    assert b.counters.reservations == 0
+
+
 def test_single_flight_off_never_waits(store_address):
     a = half(store_address)
     b = half(store_address, single_flight=False)
