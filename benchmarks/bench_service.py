@@ -20,7 +20,8 @@ GIL, as in a deployment) and move 1 MiB ``raw`` float16 chunk payloads:
   says whether they compiled); the ``_eager_`` keys are the eager kernels, best of 3.
 - ``lookup_*``: 512-key lookups of real chains (most keys matching) against a second
   server, a DRAM tier over LMDB (zstd, write-through), idle and while another process
-  streams 64 MiB puts into it, over TCP and over shared memory (``service_lookup.py``);
+  streams 64 MiB puts into it, over TCP (Llama-3-8B chunks in 4 MiB parts, and whole)
+  and over shared memory (``service_lookup.py``);
   ``lookup_p50_ms`` / ``lookup_p99_ms`` are the idle figures.
 - ``concurrent_*``: 16 threads, each with its own client, mixing lookup, get, shm get
   and put + delete (counted as ``put``) against the default server (16 workers); every
@@ -404,7 +405,12 @@ def main() -> None:
                 f"{lk[f'lookup_max_under_put{tag}_ms']:.1f} ms; {lk[f'put_stream{tag}_puts']} "
                 f"x 64 MiB at {lk[f'put_stream{tag}_gbps']:.2f} GB/s",
             )
-            for label, tag in (("32 MiB", ""), ("1 MiB", "_1mib_chunks"), ("shm", "_shm"))
+            for label, tag in (
+                ("32 MiB in parts", ""),
+                ("32 MiB whole", "_whole_chunks"),
+                ("1 MiB", "_1mib_chunks"),
+                ("shm", "_shm"),
+            )
         ],
         (f"{CLIENTS} clients {conc_s:g}s", f"{total_ops} ops", f"{len(conc['errors'])} errors"),
     ]
@@ -453,6 +459,7 @@ def main() -> None:
             "lookup_matches_right": lk["lookup_wrong_matches"] == 0,
             "put_stream_no_errors": not (
                 lk["put_stream_errors"]
+                or lk["put_stream_whole_chunks_errors"]
                 or lk["put_stream_1mib_chunks_errors"]
                 or lk["put_stream_shm_errors"]
             ),

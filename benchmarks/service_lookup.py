@@ -13,11 +13,13 @@ chain (round robin) and must match exactly the stored prefix. Each put is a 2-ch
 of Llama-3-8B 256-token bf16 chunks (33,554,468 B each, 64 MiB per put; the default
 ``server.max_chunk_bytes`` is 64 MiB, so one chunk cannot carry the whole 64 MiB).
 Latencies are measured idle (same key lists, same calls) and then for as long as the put
-process is putting; ``puts`` and ``max_seconds`` bound it. The same bytes are then put
-again as 1 MiB chunks (64 per put, sent in 4 MiB messages): the Python gRPC server turns
-each received message into one ``bytes`` with the GIL held, so the message size, not the
-put size, sets how long a lookup can be held up. Last, the Llama chunks are put over
-shared memory (same host), where no payload crosses gRPC at all.
+process is putting; ``puts`` and ``max_seconds`` bound it. The client sends each Llama
+chunk in 4 MiB parts (its default ``put_part_bytes``): the Python gRPC server turns each
+received message into one ``bytes`` with the GIL held, so the message size, not the put
+size, sets how long a lookup can be held up. The same chunks are then put whole, one
+32 MiB message each (``put_part_bytes=0``, as clients did before parts), and the same
+bytes as 1 MiB chunks (64 per put, sent in 4 MiB messages). Last, the Llama chunks are
+put over shared memory (same host), where no payload crosses gRPC at all.
 """
 
 from __future__ import annotations
@@ -210,10 +212,11 @@ def _put_figures(busy: tuple[list[float], int], report: dict, tag: str) -> dict:
 
 
 def lookup_latency(target: str, idle_calls: int, puts: int, max_seconds: float) -> dict:
-    """Lookup p50/p99 idle, then under three streams of 64 MiB puts.
+    """Lookup p50/p99 idle, then under four streams of 64 MiB puts.
 
-    Keys without a tag: Llama-3-8B bf16 chunks over TCP (one 32 MiB gRPC message per
-    chunk); ``_1mib_chunks``: the same bytes as 1 MiB chunks (4 MiB messages);
+    Keys without a tag: Llama-3-8B bf16 chunks over TCP, each in 4 MiB parts;
+    ``_whole_chunks``: the same, one 32 MiB gRPC message per chunk;
+    ``_1mib_chunks``: the same bytes as 1 MiB chunks (4 MiB messages);
     ``_shm``: Llama chunks again, copied by the client into the store's shared memory
     (``put(shm=True)``), so no payload crosses gRPC.
     """
@@ -222,6 +225,9 @@ def lookup_latency(target: str, idle_calls: int, puts: int, max_seconds: float) 
         _timed_lookups(client, chains, lambda n: n >= 20)  # warm up
         idle, big, big_report = _under_puts(
             client, chains, target, "llama8b_bf16", puts, max_seconds, idle_calls
+        )
+        _, whole, whole_report = _under_puts(
+            client, chains, target, "llama8b_bf16_whole", puts, max_seconds, 0
         )
         _, small, small_report = _under_puts(client, chains, target, "1MiB", puts, max_seconds, 0)
         _, shm, shm_report = _under_puts(
@@ -234,7 +240,8 @@ def lookup_latency(target: str, idle_calls: int, puts: int, max_seconds: float) 
         "lookup_max_idle_ms": round(p["max"], 3),
         "lookup_idle_calls": len(idle[0]),
         **_put_figures(big, big_report, ""),
+        **_put_figures(whole, whole_report, "_whole_chunks"),
         **_put_figures(small, small_report, "_1mib_chunks"),
         **_put_figures(shm, shm_report, "_shm"),
-        "lookup_wrong_matches": idle[1] + big[1] + small[1] + shm[1],
+        "lookup_wrong_matches": idle[1] + big[1] + whole[1] + small[1] + shm[1],
     }
