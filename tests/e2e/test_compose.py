@@ -234,7 +234,9 @@ def test_a_request_through_the_router_loads_the_prompts_chunks_on_decode(cluster
 
     svc, variables = cluster
     router, decode = svc["router"], svc["decode"]
-    for seed in range(8):  # each prompt's chain lands on one shard: go on until both have some
+    # each prompt's chain lands on one shard, by its first key (and the model path, which
+    # differs per run): go on until both shards hold some; 20 prompts all on one: 2^-19
+    for seed in range(20):
         prompt = tokens(900 + seed, PROMPT_CHUNKS * CHUNK + 10)
         before = scrape(decode.port(8000))
         body = {"model": variables["MODEL"], "prompt": prompt, "max_tokens": 8, "temperature": 0}
