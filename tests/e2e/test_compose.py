@@ -262,6 +262,9 @@ def test_a_request_through_the_router_loads_the_prompts_chunks_on_decode(cluster
         if all(chunks_per_shard(svc)):
             break
     assert all(chunks_per_shard(svc)), chunks_per_shard(svc)  # a shard got nothing
+    # the chunks came by the handoff: prefill told decode what it saved on every request
+    handoffs = scrape(svc["prefill"].port(8000)).get("vllm:kvstore_handoffs_total", 0)
+    assert handoffs == seed + 1, handoffs
     assert "2 of 2 shards up" in shard_chunks(svc).stdout
 
     # what deploy/prometheus/compose.yml scrapes answers (the router on its own port)
