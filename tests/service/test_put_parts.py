@@ -4,12 +4,13 @@ is refused with a message that says how, with nothing of that chunk stored."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import grpc
 import pytest
 
-from kvstore.client import ClientOptions, KVStoreClient
+from kvstore.client import AsyncKVStoreClient, ClientOptions, KVStoreClient
 from kvstore.core import wire
 from kvstore.server.service import Limits
 from tests.chunks import chain
@@ -26,6 +27,18 @@ def test_parts_reassemble_byte_identical(served, part_bytes):
         assert (result.stored, result.duplicates, result.rejected) == (3, 0, [])
         assert [bytes(p) for p in c.get(keys_of(records))] == payloads_of(records)
         assert c.put(records).duplicates == 3
+
+
+def test_the_async_client_puts_in_parts_too(served):
+    records = chain(3, seed=7)
+
+    async def scenario() -> None:
+        opts = ClientOptions(put_part_bytes=5000)
+        async with AsyncKVStoreClient(served.address, opts) as c:
+            assert (await c.put(records)).stored == 3
+            assert [bytes(p) for p in await c.get(keys_of(records))] == payloads_of(records)
+
+    asyncio.run(scenario())
 
 
 def test_whole_chunks_of_older_clients_are_still_accepted(served):
