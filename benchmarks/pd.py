@@ -279,6 +279,7 @@ def main() -> None:
         p.error("--burst must be at least 2")
 
     started = time.monotonic()
+    load_start = round(os.getloadavg()[0], 2)
     with tempfile.TemporaryDirectory(prefix="pd-") as tmp:
         bench = Bench(args, Path(tmp))
         try:
@@ -344,6 +345,8 @@ def main() -> None:
             "requests": rows,
             "bursts": bursts,
             "elapsed_s": round(time.monotonic() - started, 1),
+            # other work on the host slows prefills past wait_timeout_s: say how busy it was
+            "loadavg_1m_start_end": [load_start, round(os.getloadavg()[0], 2)],
         },
         args.out,
     )
