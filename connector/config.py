@@ -41,7 +41,9 @@ class ConnectorConfig:
     lookup_timeout_s: float = 0.5
     load_timeout_s: float = 5.0
     save_timeout_s: float = 10.0
-    save_queue_depth: int = 8  # steps whose chunks wait to be sent
+    # steps whose chunks wait to be sent; a chunked prefill saves a chunk or so a step, so
+    # this must outlast a long prompt under load (save_queue_bytes bounds the memory)
+    save_queue_depth: int = 64
     save_queue_bytes: int = 1 << 30  # KV copied out of the engine and not yet sent
     save_generated: bool = True  # full chunks of generated tokens too (multi-turn reuse)
     lease_ttl_s: float = 30.0
