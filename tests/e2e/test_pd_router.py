@@ -149,21 +149,22 @@ def nodes(tmp_path_factory):
         "w": server("w", {"reserve_ttl_s": RESERVE_TTL_S}, ("--max-num-batched-tokens", "64")),
     }
     url = "http://127.0.0.1:{}".format
-    router = Router(
-        [url(servers["p"].port)],
-        [url(servers["d"].port)],
-        free_port(),
-        work,
-        prometheus_port=free_port(),
-    )
-    state = {"store": store, "router": router, **servers}
+    state = {"store": store, "router": None, **servers}
     try:
+        state["router"] = Router(
+            [url(servers["p"].port)],
+            [url(servers["d"].port)],
+            free_port(),
+            work,
+            prometheus_port=free_port(),
+        )
         for s in servers.values():
             s.wait_ready()
-        router.wait_ready()
+        state["router"].wait_ready()
         yield state
     finally:
-        router.stop()
+        if state["router"] is not None:
+            state["router"].stop()
         for s in servers.values():
             s.stop()
         if state["store"].proc.poll() is not None:
