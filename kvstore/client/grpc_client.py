@@ -155,7 +155,7 @@ def _encoded(batches: list[list[ChunkRecord]], part_bytes: int) -> Iterator[byte
     for batch in batches:
         whole: list[ChunkRecord] = []
         for rec in batch:
-            payload = memoryview(rec.payload)
+            payload = memoryview(rec.payload).cast("B")  # parts are cut in bytes
             if not part_bytes or payload.nbytes <= part_bytes:
                 whole.append(rec)
                 continue

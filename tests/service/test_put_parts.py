@@ -5,9 +5,11 @@ is refused with a message that says how, with nothing of that chunk stored."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 
 import grpc
+import numpy as np
 import pytest
 
 from kvstore.client import AsyncKVStoreClient, ClientOptions, KVStoreClient
@@ -27,6 +29,17 @@ def test_parts_reassemble_byte_identical(served, part_bytes):
         assert (result.stored, result.duplicates, result.rejected) == (3, 0, [])
         assert [bytes(p) for p in c.get(keys_of(records))] == payloads_of(records)
         assert c.put(records).duplicates == 3
+
+
+def test_parts_are_cut_in_bytes_whatever_the_payload_buffer_s_item_size(served):
+    records = chain(2, seed=8)
+    wide = [  # the same bytes as 2-byte items: slicing the view would count items
+        dataclasses.replace(r, payload=memoryview(np.frombuffer(r.payload, np.uint16)))
+        for r in records
+    ]
+    with KVStoreClient(served.address, ClientOptions(put_part_bytes=5000)) as c:
+        assert c.put(wide).stored == 2
+        assert [bytes(p) for p in c.get(keys_of(records))] == payloads_of(records)
 
 
 def test_the_async_client_puts_in_parts_too(served):
