@@ -122,11 +122,8 @@ def nodes(tmp_path_factory):
 
     def server(name: str, connector: dict | None = None, args: tuple = ()) -> OpenAIServer:
         if connector is not None:
-            # w saves a chunk every step: on a loaded machine 8 queued steps (the default)
-            # fill, its chain ends early, and the others compute the rest once it finishes
-            extra = {"save_queue_depth": 64, **connector}
             connector = {
-                **kv_transfer_config(store.address, "raw", CHUNK, **extra),
+                **kv_transfer_config(store.address, "raw", CHUNK, **connector),
                 "kv_load_failure_policy": "recompute",
             }
         return OpenAIServer(
