@@ -105,7 +105,7 @@ def test_a_handoff_that_never_lands_times_out_into_a_recompute(store_address):
         if answers[-1] is not None:
             break
     assert answers[-1] == 0 and None in answers
-    assert 0.2 <= time.monotonic() - t0 < 2
+    assert 0.2 <= time.monotonic() - t0 < 4.5  # bounded (a loaded host stretches polls)
     assert consumer.counters.wait_timeouts == 1
     # a resumption after a preemption does not wait again
     assert consumer.matched_tokens(req, 0) == 0
@@ -126,7 +126,7 @@ def test_a_dead_store_ends_the_wait_at_once():
     consumer = half("127.0.0.1:1", wait_timeout_s=30.0, lookup_timeout_s=0.2)
     t0 = time.monotonic()
     assert consumer.matched_tokens(with_params("d3", PROMPT, params), 0) == 0
-    assert time.monotonic() - t0 < 2
+    assert time.monotonic() - t0 < 5  # one failed lookup, no waiting
     assert consumer.counters.lookup_failures == 1 and consumer.counters.waits == 0
 
 
@@ -167,7 +167,7 @@ def test_a_producer_that_dies_leaves_the_others_computing_after_its_reservation_
 
 
 def test_a_slow_producer_renews_its_reservation_while_it_computes(store_address):
-    a = half(store_address, reserve_ttl_s=0.4)
+    a = half(store_address, reserve_ttl_s=1.2)
     b = half(store_address, wait_timeout_s=30.0)
     ra, rb = request("a", PROMPT), request("b", PROMPT)
     assert a.matched_tokens(ra, 0) == 0 and a.counters.reservations == 1
@@ -175,7 +175,7 @@ def test_a_slow_producer_renews_its_reservation_while_it_computes(store_address)
     a.build_meta(step(new=[(ra, blocks, 0)], scheduled={"a": CHUNK}))
     # a prefills one chunk a step (chunked prefill), for longer than its claim's TTL
     for done in range(CHUNK, 4 * CHUNK, CHUNK):
-        time.sleep(0.25)
+        time.sleep(0.7)  # past half the TTL: renewed; 0.5 s to spare on a loaded host
         a.build_meta(step(cached=[(ra, None, done)], scheduled={"a": CHUNK}))
         assert b.matched_tokens(rb, 0) is None  # still a's: renewed, not lapsed
     assert b.counters.reservations == 0
