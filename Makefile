@@ -59,6 +59,8 @@ bench: install install-vllm $(BENCH)
 	$(PY) benchmarks/bench_service.py --quick
 	$(PY) benchmarks/ttft.py --quick
 	$(PY) benchmarks/accuracy.py --quick
+	$(PY) benchmarks/pd.py --quick
+	$(PY) benchmarks/itl.py --quick
 
 proto: $(CORE)
 	$(PROTOC)
