@@ -17,8 +17,8 @@ each chunk once: not those the lookup found stored, not those planned before.
 A request waits (``None``: vLLM asks again next step; bounded by ``wait_timeout_s``)
 for chunks another node is computing: those a prefill node said it saved
 (``connector.handoff``), and, with ``single_flight``, those another engine reserved
-at its lookup. An engine with nothing else to run paces its polls instead of
-spinning. A store that fails ends every wait: the request computes.
+at its lookup (``connector.coordination``). An engine with nothing else to run paces
+its polls instead of spinning. A store that fails ends every wait: the request computes.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from connector.config import ConnectorConfig
-from connector.handoff import expected_chunks, handoff_params, wants_handoff
+from connector.coordination import NodeCoordination
 from connector.identity import RequestChain, unkeyable
 from connector.plan import KVStoreMetadata, LoadSpec, SaveSpec
 from connector.waits import Wait
@@ -72,7 +72,7 @@ class SchedulerCounters:
     handoffs: int = 0  # finished prefill requests that told the decode node what they saved
 
 
-class SchedulerHalf:
+class SchedulerHalf(NodeCoordination):
     def __init__(
         self,
         config: ConnectorConfig,
@@ -219,38 +219,6 @@ class SchedulerHalf:
             return 0, 0, False
         return matched, pending, True
 
-    def _keep_waiting(self, state: _Request, request, keys, pending: int, ok: bool) -> bool:
-        """Whether the request should wait (``connector.waits``) for chunks another node is
-        computing: those a prefill node said it saved, or those another engine reserved."""
-        if state.waited:
-            return False
-        now = time.monotonic()
-        if state.wait is None:
-            params = getattr(request, "kv_transfer_params", None)
-            target, why = expected_chunks(params, self.ns, keys)
-            if why:
-                self._log_once("handoff", "kvstore: ignoring P/D params: %s", why)
-            timeout = self.config.wait_timeout_s
-            state.wait = Wait.begin(target, state.stored, pending, ok, timeout, now)
-            if state.wait is None:
-                return False
-            self.counters.waits += 1
-        outcome = state.wait.step(state.stored, pending, ok, now)
-        if outcome == "wait":
-            return True
-        if outcome == "gave_up":
-            self.counters.wait_timeouts += 1
-            log.info(
-                "kvstore: %s stopped waiting for another node's chunks (%d of %d stored, "
-                "%d pending): computing the rest",
-                request.request_id,
-                state.stored,
-                state.wait.target,
-                pending,
-            )
-        state.wait, state.waited = None, True
-        return False
-
     def after_alloc(self, request, num_external_tokens: int, blocks=None) -> None:
         """vLLM allocated blocks for ``num_external_tokens`` of the hit (maybe fewer than
         offered). A synchronous load is planned when the request is scheduled; with
@@ -350,27 +318,6 @@ class SchedulerHalf:
             state.saved = -1
         self._renew_claim(state)
 
-    def _renew_claim(self, state: _Request) -> None:
-        """A producer still computing the prompt chunks it reserved renews the claim every
-        half ``reserve_ttl_s``, so that only a dead producer's claim lapses, not a slow one's
-        (a prefill longer than the TTL would otherwise let a waiter compute the rest too)."""
-        if state.claimed_at is None or time.monotonic() - state.claimed_at < (
-            self.config.reserve_ttl_s / 2
-        ):
-            return
-        prompt_chunks = len(state.chain.request.prompt_token_ids or []) // self.config.chunk_tokens
-        if not 0 <= state.saved < prompt_chunks:
-            state.claimed_at = None  # all planned (the last claim outlives their sends) or given up
-            return
-        state.claimed_at = time.monotonic()
-        keys = [part_key(k, 0, self.tp) for k in state.chain.keys[:prompt_chunks]]
-        try:
-            self.client.lookup(
-                keys, lease_ttl_s=0.0, reserve_ttl_s=self.config.reserve_ttl_s, holder=self.holder
-            )
-        except Exception as exc:  # the claim lapses; waiters compute, nothing breaks
-            self._log_once("renew", "kvstore: renewing a reservation failed: %s", exc)
-
     def _plan_save_chunks(self, req_id: str, state: _Request, computed: int, out, meta) -> None:
         done = min(computed + out.num_scheduled_tokens.get(req_id, 0), state.chain.num_tokens)
         if not self.config.save_generated:
@@ -400,14 +347,7 @@ class SchedulerHalf:
         if state is None:
             return None
         self._release(state)
-        if not (self.save and state.saved > 0):
-            return None
-        if not wants_handoff(getattr(request, "kv_transfer_params", None)):
-            return None
-        prompt_chunks = len(request.prompt_token_ids or []) // self.config.chunk_tokens
-        params = handoff_params(self.ns, state.chain.keys, min(state.saved, prompt_chunks))
-        self.counters.handoffs += params is not None
-        return params
+        return self._handoff(request, state)
 
     def _release(self, state: _Request) -> None:
         for lease_id in state.lease_ids:
