@@ -8,6 +8,8 @@ scenario, in this order:
    ``p`` and then the decode leg to ``d`` with ``p``'s ``kv_transfer_params``. The
    test never looks at the store between the legs; ``d``'s own /metrics must show every
    full chunk of every prompt loaded, not computed, and the outputs equal the reference.
+   Then ``p``'s saves are held back (its path to the store, a proxy, stalls): ``d``
+   must wait for them and load, not compute.
 2. Single-flight: one new prefix sent to ``p``, ``d`` and ``w`` at once is computed
    once: one server reserves it, the store takes each chunk once, the others load it;
    sent to ``w`` first, ``p`` and ``d`` meet it mid-prefill, wait, and load it.
@@ -36,6 +38,7 @@ from benchmarks.router import Router
 from kvstore.client import KVStoreClient
 from tests.connector.test_vllm_e2e import CHUNK, tokens
 from tests.procs import KVSTORE, Served, free_port, kv_transfer_config, store_config
+from tests.proxy import FaultyProxy
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -119,11 +122,15 @@ def nodes(tmp_path_factory):
     model = Path(build_tiny_llama(work / "model"))
     store_cfg = store_config(work / "s.yaml", work / "lmdb")
     store = Served([KVSTORE, "serve", "--config", str(store_cfg)])
+    # p reaches the store through a proxy (over TCP) that a test can hold back
+    proxy = FaultyProxy(int(store.address.rsplit(":", 1)[1]))
 
     def server(name: str, connector: dict | None = None, args: tuple = ()) -> OpenAIServer:
         if connector is not None:
             connector = {
-                **kv_transfer_config(store.address, "raw", CHUNK, **connector),
+                **kv_transfer_config(
+                    connector.pop("store", store.address), "raw", CHUNK, **connector
+                ),
                 "kv_load_failure_policy": "recompute",
             }
         return OpenAIServer(
@@ -140,13 +147,13 @@ def nodes(tmp_path_factory):
 
     servers = {
         "ref": server("ref"),
-        "p": server("p", {}),
+        "p": server("p", {"store": f"127.0.0.1:{proxy.port}", "transport": "tcp"}),
         "d": server("d", {}),
         # slow to prefill (64 tokens a step), so that it can be killed mid-prefill
         "w": server("w", {"reserve_ttl_s": RESERVE_TTL_S}, ("--max-num-batched-tokens", "64")),
     }
     url = "http://127.0.0.1:{}".format
-    state = {"store": store, "router": None, **servers}
+    state = {"store": store, "router": None, "proxy": proxy, **servers}
     try:
         state["router"] = Router(
             [url(servers["p"].port)],
@@ -164,6 +171,7 @@ def nodes(tmp_path_factory):
             state["router"].stop()
         for s in servers.values():
             s.stop()
+        proxy.close()
         if state["store"].proc.poll() is not None:
             # a store started on the killed one's config reclaims its shared memory
             state["store"] = Served([KVSTORE, "serve", "--config", str(store_cfg)])
@@ -190,6 +198,35 @@ def test_pd_through_the_router_loads_every_full_chunk_on_the_decode_server(nodes
     assert gained(d.port, d_before, "vllm:kvstore_wait_timeouts_total") == 0
     assert gained(p.port, p_before, "vllm:kvstore_handoffs_total") == len(prompts)
     assert gained(p.port, p_before, COMPUTED) == full + tails  # p computed every prompt
+
+
+def test_the_decode_server_waits_for_a_handoff_still_on_its_way_then_loads_it(nodes):
+    ref, d, router, proxy = nodes["ref"], nodes["d"], nodes["router"], nodes["proxy"]
+    address = nodes["store"].address
+    prompt = tokens(150, 1200)
+    want = complete(ref.port, prompt)
+    d_before = scrape(d.port)
+    reserved0 = store_stats(address).reservations
+    result: dict = {}
+    proxy.mode = "stall"  # p computes (its lookup times out) and its saves are held back
+    thread = threading.Thread(target=lambda: result.update(ids=complete(router.port, prompt)))
+    thread.start()
+    try:
+        # d's first lookup finds nothing stored: it reserves the chunks and starts waiting
+        deadline = time.monotonic() + 60
+        while store_stats(address).reservations <= reserved0:
+            assert thread.is_alive() and time.monotonic() < deadline, result
+            time.sleep(0.01)
+        time.sleep(0.5)  # d polls while p's saves are still on their way
+    finally:
+        proxy.mode = "pass"
+    thread.join(120)
+    assert result.get("ids") == want
+    full = full_tokens(prompt)
+    wait_until(lambda: gained(d.port, d_before, LOADED) >= full)
+    assert gained(d.port, d_before, LOADED) == full  # waited for, then loaded
+    assert gained(d.port, d_before, "vllm:kvstore_waits_total") == 1
+    assert gained(d.port, d_before, "vllm:kvstore_wait_timeouts_total") == 0
 
 
 def counters(nodes, names, before) -> dict[str, dict[str, float]]:
