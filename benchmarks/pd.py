@@ -28,20 +28,18 @@ import http.client
 import json
 import os
 import random
-import re
 import statistics
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import RESULTS, Progress, emit, parser  # noqa: E402
-from benchmarks.openai_server import CPU_ENV, OpenAIServer  # noqa: E402
+from benchmarks.openai_server import CPU_ENV, OpenAIServer, scrape  # noqa: E402
 from benchmarks.router import Router  # noqa: E402
 from benchmarks.ttft import CHUNK_TOKENS, MODEL_DIR, build_model, connector, store_yaml  # noqa: E402
 from tests.procs import KVSTORE, Served, free_port  # noqa: E402
@@ -51,20 +49,6 @@ MAX_TOKENS = 8
 COMPUTED = "vllm:prompt_tokens_by_source_total{local_compute}"
 PROMPT = "vllm:prompt_tokens_total"
 COUNTERS = ("reservations", "waits", "wait_timeouts", "hit_tokens", "loaded_tokens")
-
-
-def scrape(port: int) -> dict[str, float]:
-    """vLLM's /metrics summed over labels, except a ``source`` label: ``name{source}``."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(r"^(vllm:[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
-        if not m:
-            continue
-        source = re.search(r'source="([^"]+)"', m.group(2) or "")
-        name = f"{m.group(1)}{{{source.group(1)}}}" if source else m.group(1)
-        values[name] = values.get(name, 0.0) + float(m.group(3))
-    return values
 
 
 def stream(port: int, prompt: list[int], timeout_s: float = 600) -> tuple[float, str]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import threading
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.openai_server import CPU_ENV, OpenAIServer
+from benchmarks.openai_server import CPU_ENV, OpenAIServer, scrape
 from benchmarks.router import Router
 from kvstore.client import KVStoreClient
 from tests.connector.test_vllm_e2e import CHUNK, tokens
@@ -77,20 +76,6 @@ def complete(port: int, prompt: list[int], timeout: float = 120) -> list[int]:
         choice = json.loads(resp.read())["choices"][0]
     assert choice.get("token_ids"), choice
     return choice["token_ids"]
-
-
-def scrape(port: int) -> dict[str, float]:
-    """vLLM's /metrics summed over labels, except a ``source`` label: ``name{source}``."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(r"^(vllm:[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
-        if not m:
-            continue
-        source = re.search(r'source="([^"]+)"', m.group(2) or "")
-        name = f"{m.group(1)}{{{source.group(1)}}}" if source else m.group(1)
-        values[name] = values.get(name, 0.0) + float(m.group(3))
-    return values
 
 
 LOADED = "vllm:kvstore_loaded_tokens_total"
