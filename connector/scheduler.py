@@ -155,10 +155,14 @@ class SchedulerHalf(NodeCoordination):
         if not keys or not (self.load or self.save):
             return 0
         reserve = self.save and self.config.single_flight and not state.waited
-        state.stored, pending, ok = self._lookup(state, keys, lease=self.load, reserve=reserve)
+        waiting = state.wait is not None  # polls take no leases; the poll that ends it does
+        lease = self.load and not waiting
+        state.stored, pending, ok = self._lookup(state, keys, lease=lease, reserve=reserve)
         if self.load and self._keep_waiting(state, request, keys, pending, ok):
             self._release(state)
             return None
+        if self.load and waiting and ok and state.stored:
+            state.stored, _, ok = self._lookup(state, keys, lease=True, reserve=False)
         self.counters.lookup_tokens += len(keys) * self.config.chunk_tokens
         if state.saved >= 0:
             state.saved = max(state.saved, state.stored)

@@ -88,7 +88,11 @@ def test_the_decode_leg_waits_for_the_handed_off_chunks_then_loads_them(store_ad
     assert consumer.matched_tokens(req, 0) is None  # 2 of 4: still waiting
     store_chunks(store_address, PROMPT, paged_cache(num_blocks=32, seed=2))
     time.sleep(0.02)
+    lookups = consumer.counters.lookups
     assert consumer.matched_tokens(req, 0) == 4 * CHUNK
+    # polls take no leases; the poll that ends the wait leases what it will load
+    assert consumer.counters.lookups == lookups + 2
+    assert consumer._reqs["d1"].lease_ids, "the chunks to load are not leased"
     assert consumer.counters.waits == 1 and consumer.counters.wait_timeouts == 0
     # a lookup of a waiting request is not a miss in the hit-rate counters
     assert consumer.counters.lookup_tokens == 4 * CHUNK
