@@ -130,16 +130,18 @@ def nodes(tmp_path_factory):
             env=CPU_ENV,
         )
 
-    servers = {
-        "ref": server("ref"),
-        "p": server("p", {"store": f"127.0.0.1:{proxy.port}", "transport": "tcp"}),
-        "d": server("d", {}),
-        # slow to prefill (64 tokens a step), so that it can be killed mid-prefill
-        "w": server("w", {"reserve_ttl_s": RESERVE_TTL_S}, ("--max-num-batched-tokens", "64")),
-    }
+    servers: dict[str, OpenAIServer] = {}
     url = "http://127.0.0.1:{}".format
-    state = {"store": store, "router": None, "proxy": proxy, **servers}
-    try:
+    state = {"store": store, "router": None, "proxy": proxy}
+    try:  # whatever fails to start, what did start is stopped below
+        servers["ref"] = server("ref")
+        servers["p"] = server("p", {"store": f"127.0.0.1:{proxy.port}", "transport": "tcp"})
+        servers["d"] = server("d", {})
+        # slow to prefill (64 tokens a step), so that it can be killed mid-prefill
+        servers["w"] = server(
+            "w", {"reserve_ttl_s": RESERVE_TTL_S}, ("--max-num-batched-tokens", "64")
+        )
+        state.update(servers)
         state["router"] = Router(
             [url(servers["p"].port)],
             [url(servers["d"].port)],
