@@ -23,7 +23,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import random
 import sys
 import tempfile
 import threading
@@ -32,12 +31,12 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS, Progress, emit, parser  # noqa: E402
+from benchmarks.common import Progress, emit, parser  # noqa: E402
 from benchmarks.openai_server import CPU_ENV, OpenAIServer  # noqa: E402
 from benchmarks.ttft import (  # noqa: E402
     CHUNK_TOKENS,
     MODEL_DIR,
-    build_model,
+    ModelBench,
     percentile,
     store_yaml,
 )
@@ -87,20 +86,11 @@ def stream_times(server: OpenAIServer, prompt: list[int], max_tokens: int, on_to
     return times
 
 
-class Bench:
+class Bench(ModelBench):
     def __init__(self, args, work: Path) -> None:
-        self.args, self.work = args, work
-        self.rng = random.Random(args.seed)
-        self.logs = RESULTS / "itl-logs"
-        self.logs.mkdir(parents=True, exist_ok=True)
-        self.model = build_model(args.model_dir)
-        self.vocab = json.loads((self.model / "config.json").read_text())["vocab_size"]
-        self.servers: dict[str, OpenAIServer] = {}
+        super().__init__("itl", args, work)
         self.store = None
         self.expected = 0
-
-    def tokens(self, n: int) -> list[int]:
-        return [self.rng.randrange(3, self.vocab) for _ in range(n)]
 
     def start(self) -> None:
         chunks = 16 + 2 * (self.args.rounds + 1) * (self.args.length // CHUNK_TOKENS)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -38,10 +37,10 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS, Progress, emit, parser  # noqa: E402
+from benchmarks.common import Progress, emit, parser  # noqa: E402
 from benchmarks.openai_server import CPU_ENV, OpenAIServer, scrape  # noqa: E402
 from benchmarks.router import Router  # noqa: E402
-from benchmarks.ttft import CHUNK_TOKENS, MODEL_DIR, build_model, connector, store_yaml  # noqa: E402
+from benchmarks.ttft import CHUNK_TOKENS, MODEL_DIR, ModelBench, connector, store_yaml  # noqa: E402
 from tests.procs import KVSTORE, Served, free_port  # noqa: E402
 
 TAIL = 16
@@ -113,15 +112,9 @@ def short(metric: str) -> str:
     return "computed" if metric == COMPUTED else metric[len("vllm:kvstore_") : -len("_total")]
 
 
-class Bench:
+class Bench(ModelBench):
     def __init__(self, args, work: Path) -> None:
-        self.args, self.work = args, work
-        self.rng = random.Random(args.seed)
-        self.logs = RESULTS / "pd-logs"
-        self.logs.mkdir(parents=True, exist_ok=True)
-        self.model = build_model(args.model_dir)
-        self.vocab = json.loads((self.model / "config.json").read_text())["vocab_size"]
-        self.servers: dict[str, OpenAIServer] = {}
+        super().__init__("pd", args, work)
         self.store: Served | None = None
         self.router: Router | None = None
 
@@ -172,7 +165,7 @@ class Bench:
         return {"all_ready_s": round(time.monotonic() - t0, 1), "servers": len(self.servers)}
 
     def prompt(self) -> list[int]:
-        return [self.rng.randrange(3, self.vocab) for _ in range(self.args.length + TAIL)]
+        return self.tokens(self.args.length + TAIL)
 
     def pd_vs_colocated(self, progress: Progress) -> list[dict]:
         """Each new prompt through the router, then on the colocated server (or the other

@@ -144,15 +144,26 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
-class Bench:
-    def __init__(self, args, work: Path) -> None:
+class ModelBench:
+    """What the server benchmarks (this one, ``pd.py``, ``itl.py``) share: the model built
+    once, seeded prompt tokens, a log folder ``results/NAME-logs`` and their servers."""
+
+    def __init__(self, name: str, args, work: Path) -> None:
         self.args, self.work = args, work
         self.rng = random.Random(args.seed)
-        self.logs = RESULTS / "ttft-logs"
+        self.logs = RESULTS / f"{name}-logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.model = build_model(args.model_dir)
         self.vocab = json.loads((self.model / "config.json").read_text())["vocab_size"]
         self.servers: dict[str, OpenAIServer] = {}
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(3, self.vocab) for _ in range(n)]
+
+
+class Bench(ModelBench):
+    def __init__(self, args, work: Path) -> None:
+        super().__init__("ttft", args, work)
         self.store = self.client = None
         self.expected_chunks = 0
 
@@ -192,9 +203,6 @@ class Bench:
         for s in self.servers.values():
             s.wait_ready()
         return {"all_ready_s": round(time.monotonic() - t0, 1)}
-
-    def tokens(self, n: int) -> list[int]:
-        return [self.rng.randrange(3, self.vocab) for _ in range(n)]
 
     def prefill_on_a(self, codec: str, prompt: list[int]) -> None:
         """Node A serves ``prompt``; returns once the store holds every chunk A saved so far.
