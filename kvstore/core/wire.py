@@ -1,7 +1,7 @@
 """Hand-coded protobuf framing for the two bulk messages, ``Chunk`` and ``PutRequest``.
 
-Offers ``encode_chunk``, ``parse_chunk``, ``encode_put_request``, ``encode_put_part``,
-``parse_put_request`` and ``parse_put_message``. The bytes are exactly what protoc's code
+Offers ``encode_chunk``, ``parse_chunk``, ``encode_put_request``, ``encode_put_part``
+and ``parse_put_message``. The bytes are exactly what protoc's code
 would produce or accept for ``kvstore.v1.Chunk`` / ``PutRequest``, so stock gRPC tools
 still understand them; doing it by hand avoids protobuf's copy and parse of every
 megabyte payload (it halves streaming throughput). A large payload may be put in parts:
@@ -154,12 +154,9 @@ def parse_put_message(message: bytes) -> PutMessage:
             elif sub == 4:
                 payload = sv
         records.append(ChunkRecord(key, parent or None, ns, payload))
+    if total and total <= payload.nbytes:
+        raise InvalidArgument(
+            f"chunk {key.hex()} is sent in parts of {total} bytes in all, "
+            f"but its first part alone is {payload.nbytes} bytes"
+        )
     return PutMessage(records, total or 0, part)
-
-
-def parse_put_request(message: bytes) -> list[ChunkRecord]:
-    """The chunks of a ``PutRequest`` of whole chunks; payloads are views of ``message``."""
-    parsed = parse_put_message(message)
-    if parsed.total_length or parsed.part is not None:
-        raise InvalidArgument("PutRequest carries a payload in parts; use parse_put_message")
-    return parsed.records

@@ -29,8 +29,9 @@ def test_put_request_matches_protobuf_both_ways():
         ]
     ).SerializeToString()
     assert ours == theirs
-    back = wire.parse_put_request(theirs)
-    assert [(r.key, r.parent, r.ns, bytes(r.payload)) for r in back] == [
+    back = wire.parse_put_message(theirs)
+    assert back.total_length == 0 and back.part is None
+    assert [(r.key, r.parent, r.ns, bytes(r.payload)) for r in back.records] == [
         (r.key, r.parent, r.ns, r.payload) for r in records
     ]
 
@@ -40,7 +41,7 @@ def test_put_request_matches_protobuf_both_ways():
 )
 def test_malformed_messages_raise_invalid_argument(bad):
     with pytest.raises(InvalidArgument):
-        wire.parse_put_request(bad)
+        wire.parse_put_message(bad)
 
 
 def test_a_payload_in_parts_matches_protobuf_both_ways():
@@ -65,8 +66,9 @@ def test_a_payload_in_parts_matches_protobuf_both_ways():
     assert part == pb.PutRequest(part=b"r" * 1000).SerializeToString()
     more = wire.parse_put_message(part)
     assert more.records == [] and more.total_length == 0 and bytes(more.part) == b"r" * 1000
-    with pytest.raises(InvalidArgument, match="in parts"):
-        wire.parse_put_request(ours)  # the whole-chunks parser never hands out a first part
+    lying = wire.encode_put_request(records, total_length=300)  # no more than its first part
+    with pytest.raises(InvalidArgument, match="its first part alone is 300 bytes"):
+        wire.parse_put_message(lying)
 
 
 def test_only_the_last_chunk_of_a_message_may_come_in_parts():
