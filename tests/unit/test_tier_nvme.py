@@ -8,6 +8,7 @@ import time
 import lmdb
 import numpy as np
 import pytest
+import zstandard
 
 from kvstore.core.types import ChunkRecord, InvalidArgument, KVStoreError, TierFullError
 from kvstore.server.tiers.base import StoredChunk, Tier
@@ -90,6 +91,30 @@ def test_values_written_with_one_compression_read_back_with_the_other(tmp_path):
     tier.close()
     tier = NvmeTier(path, MAP, compression="none")
     assert tier.read([key(1)]) == [record(1).payload]
+    tier.close()
+
+
+@pytest.mark.parametrize(
+    "size", [(1 << 20) - 1, 1 << 20, (1 << 20) + 1, (5 << 20) // 2], ids=lambda n: f"{n}B"
+)
+def test_values_over_a_compression_piece_are_one_zstd_frame(tmp_path, size):
+    """Payloads are compressed a MiB at a time (no long GIL hold); the value must still be
+    one zstd frame of the whole payload, and incompressible noise must fit its buffer."""
+    tier = NvmeTier(str(tmp_path / "db"), MAP, compression="zstd")
+    noise = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    recs = [ChunkRecord(key(1), None, NS, fp8_like(1, size)), ChunkRecord(key(2), None, NS, noise)]
+    tier.write(recs)
+    tier.close()
+    env = lmdb.open(str(tmp_path / "db"), subdir=True, readonly=True)
+    with env.begin() as txn:
+        for r in recs:
+            body = txn.get(r.key)[HEADER.size :]
+            assert zstandard.ZstdDecompressor().decompress(body) == r.payload
+    env.close()
+    tier = NvmeTier(str(tmp_path / "db"), MAP, compression="zstd")
+    assert tier.read([r.key for r in recs]) == [r.payload for r in recs]
+    dest = np.zeros(size, dtype=np.uint8)
+    assert tier.read_into(key(2), dest) == size and dest.tobytes() == noise
     tier.close()
 
 

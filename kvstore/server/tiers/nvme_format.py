@@ -1,6 +1,7 @@
 """How the nvme tier frames a value: a fixed header, then the body. Pure, no I/O.
 
-Offers ``frame_into(out, key, parent, ns, compression, raw_len, body)``,
+Offers ``frame_into(out, key, parent, ns, compression, raw_len, body)`` (copies the body),
+``seal(out, key, parent, ns, compression, raw_len, body_len)`` (a body written in place),
 ``framed_size(body_len)``, ``parse_header(value)`` (cheap, for ``scan``),
 ``verify(key, value)`` (header and checksum), ``body_of(value)``, ``Header`` and
 ``COMPRESSION`` (name -> code). No pickle. Layout, little-endian::
@@ -61,17 +62,30 @@ def frame_into(
     body: memoryview,
 ) -> memoryview:
     """Write header and body into ``out`` (at least ``framed_size`` bytes); the value view."""
-    value = out[: framed_size(len(body))]
-    flags = 0 if parent is None else FLAG_HAS_PARENT
-    HEADER.pack_into(
-        value, 0, MAGIC, VERSION, compression, flags, ns, parent or _NO_PARENT, raw_len, 0
-    )
-    dest = value[HEADER.size :]
+    dest = out[HEADER.size : framed_size(len(body))]
     if len(body) >= _BIG and not dest.readonly:
         # numpy copies without the GIL: a 32 MiB slice assignment held it for milliseconds
         np.copyto(np.frombuffer(dest, np.uint8), np.frombuffer(body, np.uint8))
     else:
         dest[:] = body
+    return seal(out, key, parent, ns, compression, raw_len, len(body))
+
+
+def seal(
+    out: memoryview,
+    key: ChunkKey,
+    parent: ChunkKey | None,
+    ns: bytes,
+    compression: int,
+    raw_len: int,
+    body_len: int,
+) -> memoryview:
+    """Write the header (checksum included) before a body already at ``out[HEADER.size:]``."""
+    value = out[: framed_size(body_len)]
+    flags = 0 if parent is None else FLAG_HAS_PARENT
+    HEADER.pack_into(
+        value, 0, MAGIC, VERSION, compression, flags, ns, parent or _NO_PARENT, raw_len, 0
+    )
     _CHECKSUM.pack_into(value, _CHECKSUM_AT, _checksum(key, value))
     return value
 
