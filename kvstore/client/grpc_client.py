@@ -15,9 +15,13 @@ server code, so a vLLM process loads neither the index nor the tiers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import queue
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -35,6 +39,9 @@ PUT_BATCH_BYTES = 4 << 20
 PUT_PART_BYTES = 4 << 20
 # gRPC clamps a retryPolicy's maxAttempts to 5 (and logs an error when asked for more).
 MAX_ATTEMPTS = 5
+# A shared-memory copy that ends within this fraction of its lease (counted from before the
+# GetShm was sent) is trusted without waiting for the Release answer (``_end_lease``).
+LEASE_TRUSTED_FRACTION = 0.5
 # The calls gRPC may retry: asking again changes nothing the caller did not ask for. A retried
 # Lookup with a lease (or a reservation) or ReserveShm may leave a second one behind, which
 # lapses; Put stores duplicates. Release is not here: a retry after a lost answer would say
@@ -226,6 +233,10 @@ class KVStoreClient:
         )
         self._health = health_pb2_grpc.HealthStub(ch)
         self._shm = ShmReader()
+        self._release_queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._releaser: threading.Thread | None = None
+        self._releasing = threading.Condition()  # guards the two fields below
+        self._unreleased = 0  # Release calls queued or in flight, not waited for
 
     def _call(self, name: str, fn, *args, timeout_s: float | None = None):
         """``fn(*args, timeout=...)``; gRPC has made every attempt the channel allows."""
@@ -291,12 +302,13 @@ class KVStoreClient:
         """
         ttl = self.options.shm_lease_ttl_s or 0.0
         req = pb.GetShmRequest(keys=keys, lease_ttl_s=ttl)
+        sent = time.monotonic()
         batch = self._call("GetShm", self._get_shm, req, timeout_s=timeout_s)
         handles = batch.handles
         try:
             bad = self._shm.copy_out(keys, handles, copy)
         finally:
-            held = self._end_lease(batch.lease_id) if handles else True
+            held = self._end_lease(batch, sent) if handles else True
         stats = self._shm.stats
         if not held:
             stats.lease_lapsed += len(handles)
@@ -313,17 +325,51 @@ class KVStoreClient:
                     good[i] = True
         return good.index(False) if False in good else len(good)
 
-    def _end_lease(self, lease_id: int) -> bool:
-        """Release a GetShm lease; False unless the store still held it until now."""
-        if not lease_id:
+    def _end_lease(self, batch: pb.ShmBatch, sent: float) -> bool:
+        """Release a GetShm lease; False unless the store surely held it until now.
+
+        The store granted the lease after ``sent`` and keeps its bytes for
+        ``batch.lease_ttl_s`` from then, on this host's monotonic clock (shared memory
+        is same-host only). A copy that ended within half of that needs no answer: the
+        release is sent without waiting, saving a round trip per read. Otherwise (a slow
+        copy, or a store that does not say its lease's length) the store's answer
+        decides: NOT_FOUND means the lease expired, so the slots may have been reused.
+        """
+        if not batch.lease_id:
             return False
+        if time.monotonic() - sent < batch.lease_ttl_s * LEASE_TRUSTED_FRACTION:
+            self._release_later(batch.lease_id)
+            return True
         try:
-            self.release(lease_id)
+            self.release(batch.lease_id)
         except ClientError:
-            # NOT_FOUND: it expired, so its slots may have been reused during the copy;
-            # any other failure leaves that unknown
-            return False
+            return False  # expired (NOT_FOUND), or unknown
         return True
+
+    def _release_later(self, lease_id: int) -> None:
+        """Release from a background thread (a gRPC future starts a thread per call);
+        ``stats`` and ``close`` wait until the ones queued have been sent."""
+        with self._releasing:
+            self._unreleased += 1
+            if self._releaser is None:
+                self._releaser = threading.Thread(
+                    target=self._release_loop, daemon=True, name="kvstore-release"
+                )
+                self._releaser.start()
+        self._release_queue.put(lease_id)
+
+    def _release_loop(self) -> None:
+        while (lease_id := self._release_queue.get()) is not None:
+            with contextlib.suppress(grpc.RpcError, ValueError):  # ValueError: channel closed
+                # an error only means the lease lapses on its own
+                self._release(pb.ReleaseRequest(lease_id=lease_id), timeout=self.options.timeout_s)
+            with self._releasing:
+                self._unreleased -= 1
+                self._releasing.notify_all()
+
+    def _wait_releases(self) -> None:
+        with self._releasing:
+            self._releasing.wait_for(lambda: self._unreleased == 0, self.options.timeout_s)
 
     @property
     def shm_stats(self) -> ShmReadStats:
@@ -380,6 +426,7 @@ class KVStoreClient:
         return self._call("Delete", self._delete, req, timeout_s=timeout_s).removed
 
     def stats(self, timeout_s: float | None = None) -> pb.StatsResponse:
+        self._wait_releases()  # so the figures count this client's own ended leases
         return self._call("Stats", self._stats, pb.StatsRequest(), timeout_s=timeout_s)
 
     def explain(
@@ -399,6 +446,9 @@ class KVStoreClient:
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
     def close(self) -> None:
+        self._wait_releases()
+        if self._releaser is not None:
+            self._release_queue.put(None)
         self._shm.close()
         from kvstore.client.shm_writer import close_region
 

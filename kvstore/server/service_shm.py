@@ -48,7 +48,12 @@ class ShmRpcs(ServiceCalls):
                 lease_id = None
             if lease_id is not None:
                 self.quotas.lease_taken(caller.client, lease_id, ttl)
-            return pb.ShmBatch(matched=len(refs), lease_id=lease_id or 0, handles=handles)
+            return pb.ShmBatch(
+                matched=len(refs),
+                lease_id=lease_id or 0,
+                handles=handles,
+                lease_ttl_s=ttl if lease_id else 0.0,
+            )
 
         return self._call("GetShm", context, run)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
 import time
 
 import grpc
@@ -13,7 +14,7 @@ import torch
 from kvstore.client import ClientError, ClientOptions, KVStoreClient
 from kvstore.client.shm_reader import ShmReader
 from kvstore.rpc.pb import pb
-from kvstore.server.service import Limits
+from kvstore.server.service import KVStoreService, Limits
 from tests.chunks import CHUNK_COST, chain
 from tests.service.conftest import keys_of, payloads_of
 from tests.shm_regions import mapped_here
@@ -50,6 +51,66 @@ def test_get_shm_into_fills_torch_tensors(client):
         assert bytes(dest[: len(rec.payload)].numpy()) == rec.payload
         assert not dest[len(rec.payload) :].any()
     assert client.stats().active_leases == 0
+
+
+def _held_releases(monkeypatch, store) -> threading.Event:
+    """Make the store's Release wait until the returned event is set."""
+    go, real = threading.Event(), store.release
+
+    def release(lease_id):
+        assert go.wait(10)
+        return real(lease_id)
+
+    monkeypatch.setattr(store, "release", release)
+    return go
+
+
+@pytest.mark.parametrize("into", [False, True], ids=["get", "get_shm_into"])
+def test_a_copy_made_well_inside_its_lease_does_not_wait_for_the_release(
+    served, client, monkeypatch, into
+):
+    """The store keeps leased bytes for the granted TTL from when it granted the lease,
+    so a copy that ended within half of it is trusted and the Release is sent without
+    waiting for its answer (one round trip less per read)."""
+    records = chain(3, seed=4)
+    client.put(records)
+    go = _held_releases(monkeypatch, served.store)
+
+    got = read_shm(client, records, into)  # would block here if it waited for Release
+
+    assert got == payloads_of(records)
+    assert served.store.stats().active_leases == 1  # its Release is still held up
+    go.set()
+    assert client.stats().active_leases == 0  # stats() waits for the client's releases
+    assert (client.shm_stats.chunks, client.shm_stats.dropped) == (3, 0)
+
+
+def test_a_store_that_does_not_say_its_lease_length_is_asked_before_a_copy_is_kept(
+    serve, monkeypatch
+):
+    """Stores before ``ShmBatch.lease_ttl_s`` answer 0: the client must wait for Release."""
+    real_get_shm = KVStoreService.GetShm
+
+    def old_store(self, request, context):
+        batch = real_get_shm(self, request, context)
+        batch.lease_ttl_s = 0.0
+        return batch
+
+    monkeypatch.setattr(KVStoreService, "GetShm", old_store)
+    served = serve()
+    records = chain(2, seed=5)
+    with KVStoreClient(served.address, ClientOptions(timeout_s=10.0)) as client:
+        client.put(records)
+        go = _held_releases(monkeypatch, served.store)
+        got: list = []
+        reader = threading.Thread(target=lambda: got.extend(read_shm(client, records, False)))
+        reader.start()
+        reader.join(0.5)
+        assert reader.is_alive() and not got  # waiting for the Release answer
+        go.set()
+        reader.join(10)
+        assert got == payloads_of(records)
+        assert served.store.stats().active_leases == 0
 
 
 def test_a_server_without_shm_refuses_shm_gets(serve):
