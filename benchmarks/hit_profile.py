@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from benchmarks.common import emit, parser  # noqa: E402
 from connector.config import ConnectorConfig  # noqa: E402
 from connector.layouts import CpuLayout  # noqa: E402
-from connector.plan import KVStoreMetadata, SaveSpec  # noqa: E402
+from connector.plan import KVStoreMetadata, LoadSpec, SaveSpec  # noqa: E402
 from connector.worker import WorkerHalf  # noqa: E402
 from kvstore.core import codec  # noqa: E402
 from kvstore.core.keys import Namespace, chunk_keys, part_key  # noqa: E402
@@ -61,7 +61,6 @@ def profile(store: str, codec_name: str, transport: str, tokens: int, repeats: i
     loader = worker(store, codec_name, transport, blocks + 1)
     client = loader.client
     parts = [part_key(k, 0, 1) for k in keys]
-    bpc = CHUNK // BLOCK
     stages: dict[str, list[float]] = {s: [] for s in ("lookup", "transfer", "decode", "scatter")}
     for _ in range(repeats + 1):  # the first warms connections, mappings and staging
         t0 = time.perf_counter()
@@ -71,10 +70,7 @@ def profile(store: str, codec_name: str, transport: str, tokens: int, repeats: i
         t2 = time.perf_counter()
         decoded = [codec.decode(p) for p in payloads]
         t3 = time.perf_counter()
-        for j, (k, v) in enumerate(decoded):
-            ids = list(range(j * bpc, (j + 1) * bpc))
-            for layer, cache in enumerate(loader._layers):
-                loader._layout.scatter(cache, ids, k[layer], v[layer])
+        loader.scatter(decoded, LoadSpec("p", keys, list(range(blocks)), 0))
         t4 = time.perf_counter()
         if hit.matched != len(keys) or len(payloads) != len(keys):
             raise RuntimeError(f"hit {hit.matched}/{len(keys)}, got {len(payloads)}")

@@ -62,6 +62,10 @@ class PagedLayout(Protocol):
 
     def scatter(self, kv_layer: Tensor, block_ids: BlockIds, k: Tensor, v: Tensor) -> None: ...
 
+    def scatter_many(
+        self, kv_layer: Tensor, block_ids: BlockIds, parts: Sequence[tuple[Tensor, Tensor]]
+    ) -> None: ...
+
 
 def kernel_block_ids(kv_layer: Tensor, block_ids: BlockIds, block_size: int) -> Tensor:
     """The cache tensor's block indices for manager ``block_ids`` (int64, on its device).
@@ -129,18 +133,37 @@ class _BlockViews:
         return k, v
 
     def scatter(self, kv_layer: Tensor, block_ids: BlockIds, k: Tensor, v: Tensor) -> None:
+        tokens = len(block_ids) * self.block_size
+        _check_kv(k, v, (kv_layer.shape[1], tokens, self._head_dim(kv_layer)))
+        self.scatter_many(kv_layer, block_ids, [(k, v)])
+
+    def scatter_many(
+        self, kv_layer: Tensor, block_ids: BlockIds, parts: Sequence[tuple[Tensor, Tensor]]
+    ) -> None:
+        """``scatter`` of several K/V parts whose blocks follow one another in ``block_ids``
+        (a prefix's chunks): one staging buffer and one indexed copy for all of them."""
         ids = kernel_block_ids(kv_layer, block_ids, self.block_size)
-        heads, tokens = kv_layer.shape[1], ids.numel() * kv_layer.shape[2]
-        _check_kv(k, v, (heads, tokens, self._head_dim(kv_layer)))
-        if not tokens:
+        heads, n = kv_layer.shape[1], kv_layer.shape[2]
+        d = self._head_dim(kv_layer)
+        sizes = [k.shape[1] if k.dim() == 3 else -1 for k, _ in parts]
+        if sum(sizes) != ids.numel() * n or any(t % n for t in sizes):
+            raise ValueError(
+                f"K/V parts of {sizes} tokens do not fill {ids.numel()} blocks of {n} tokens"
+            )
+        if not ids.numel():
             return
         # whole blocks in the engine's order first (K and V fill every value of a block) ...
         blocks = torch.empty(
             (ids.numel(), *kv_layer.shape[1:]), dtype=kv_layer.dtype, device=kv_layer.device
         )
         k_view, v_view = self._views(blocks)
-        k_view.copy_(k.reshape(k_view.shape))
-        v_view.copy_(v.reshape(v_view.shape))
+        at = 0
+        for (k, v), tokens in zip(parts, sizes, strict=True):
+            _check_kv(k, v, (heads, tokens, d))
+            k_part, v_part = k_view[:, at : at + tokens // n], v_view[:, at : at + tokens // n]
+            k_part.copy_(k.reshape(k_part.shape))
+            v_part.copy_(v.reshape(v_part.shape))
+            at += tokens // n
         # ... then one indexed copy into the engine's cache, in place
         kv_layer.index_copy_(0, ids, blocks)
 

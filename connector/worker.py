@@ -182,15 +182,22 @@ class WorkerHalf:
         keys = [part_key(k, self.rank, self.tp) for k in spec.keys]
         loaded = 0
         t0 = time.perf_counter()
+        decoded: list[tuple[torch.Tensor, torch.Tensor]] = []
+        nbytes = 0
         try:
-            payloads = self._fetch(keys)
-            for j, payload in enumerate(payloads[: len(keys)]):
-                blocks = spec.block_ids[j * bpc : (j + 1) * bpc]
-                self._write_chunk(payload, blocks, spec.first_block - j * bpc)
-                loaded = j + 1
-                self.counters.loaded_bytes += memoryview(payload).nbytes
-        except Exception as exc:  # the blocks below are recomputed; the engine goes on
-            log.warning("kvstore load for %s stopped after %d chunks: %s", spec.req_id, loaded, exc)
+            for payload in self._fetch(keys)[: len(keys)]:
+                decoded.append(self._decoded(payload))
+                nbytes += memoryview(payload).nbytes
+        except Exception as exc:  # the chunks from here on are recomputed; the engine goes on
+            log.warning(
+                "kvstore load for %s stopped after %d chunks: %s", spec.req_id, len(decoded), exc
+            )
+        try:
+            self.scatter(decoded, spec)
+            loaded = len(decoded)
+            self.counters.loaded_bytes += nbytes
+        except Exception as exc:  # none of the blocks is trusted: all are recomputed
+            log.warning("kvstore load for %s could not write its blocks: %s", spec.req_id, exc)
         bad: set[int] = set()
         if loaded < len(keys):
             self.counters.load_failures += 1
@@ -220,19 +227,36 @@ class WorkerHalf:
         src = codec.dtype_name(self._layers[0].dtype)
         return codec.HEADER_BYTES + expected_body_len(self.config.codec, src, shape)
 
-    def _write_chunk(self, payload, blocks: list[int], skip: int) -> None:
+    def _decoded(self, payload) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one chunk part, ``[layers, heads, tokens, head_dim]``, shape-checked."""
         k, v = codec.decode(payload)
         want = (self.ns.num_layers, self._heads(), self.config.chunk_tokens, self.ns.head_dim)
         if tuple(k.shape) != want:
             raise ValueError(f"chunk shape {tuple(k.shape)} does not match the engine's {want}")
-        skip = max(0, skip)
-        if skip >= len(blocks):
+        return k, v
+
+    def scatter(self, decoded: list[tuple[torch.Tensor, torch.Tensor]], spec: LoadSpec) -> None:
+        """Write the decoded leading chunks of ``spec`` into its blocks: per layer, one
+        indexed copy for all of them (a copy per chunk and layer cost more than its bytes).
+        Blocks before ``spec.first_block`` (already computed) are left alone."""
+        bpc, ids, cuts = self.blocks_per_chunk, [], []
+        for j in range(len(decoded)):
+            blocks = spec.block_ids[j * bpc : (j + 1) * bpc]
+            skip = max(0, spec.first_block - j * bpc)
+            if skip < len(blocks):
+                ids.extend(blocks[skip:])
+                cuts.append((j, slice(skip * self.block_size, len(blocks) * self.block_size)))
+        if not ids:
             return
-        tokens = slice(skip * self.block_size, len(blocks) * self.block_size)
         for layer, cache in enumerate(self._layers):
-            kl = k[layer][:, tokens].to(cache.device, cache.dtype)
-            vl = v[layer][:, tokens].to(cache.device, cache.dtype)
-            self._layout.scatter(cache, blocks[skip:], kl, vl)
+            parts = [
+                (
+                    decoded[j][0][layer][:, tokens].to(cache.device, cache.dtype),
+                    decoded[j][1][layer][:, tokens].to(cache.device, cache.dtype),
+                )
+                for j, tokens in cuts
+            ]
+            self._layout.scatter_many(cache, ids, parts)
 
     def _heads(self) -> int:
         return self.ns.num_kv_heads // self.tp if self.ns.num_kv_heads >= self.tp else 1

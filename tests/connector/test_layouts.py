@@ -152,6 +152,24 @@ def test_gather_then_scatter_elsewhere_is_bit_exact(case):
     assert torch.equal(k2, k) and torch.equal(v2, v)
 
 
+def test_scatter_many_writes_what_one_scatter_of_the_whole_would(case):
+    """A prefix's chunks scattered in one call: parts of 2, 1 and 2 blocks land exactly
+    where one scatter of their concatenation puts them, and nothing else is touched."""
+    layout, dtype, new_cache = case
+    blocks = [4, 0, 3, 1, 5]
+    k, v = counting_kv(len(blocks) * N, dtype)
+    want, got = new_cache(), new_cache()
+    layout.scatter(want, blocks, k, v)
+    cuts = [0, 2 * N, 3 * N, 5 * N]
+    parts = [(k[:, a:b], v[:, a:b]) for a, b in zip(cuts, cuts[1:], strict=False)]
+    layout.scatter_many(got, torch.tensor(blocks), parts)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="do not fill"):
+        layout.scatter_many(new_cache(), blocks, parts[:2])
+    with pytest.raises(ValueError, match="do not fill"):
+        layout.scatter_many(new_cache(), blocks[:2], [(k[:, : N + 1], v[:, : N + 1])] * 2)
+
+
 def test_gather_returns_a_copy_and_empty_ids_are_fine(case):
     layout, dtype, new_cache = case
     kv = new_cache()
