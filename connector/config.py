@@ -61,6 +61,11 @@ class ConnectorConfig:
     # load in the background (vLLM's asynchronous loads): a long load never holds up the
     # step other requests are decoding in; costs the loading request a step or two
     load_async: bool = False
+    # skip a hit that measured speeds say is slower to load than to compute (a small model,
+    # a slow link: connector.planner); loads only when computing it would take at least
+    # planner_min_speedup times as long as loading it
+    planner: bool = True
+    planner_min_speedup: float = 1.0
 
     @property
     def same_host(self) -> bool:
@@ -110,6 +115,7 @@ class ConnectorConfig:
             "lease_ttl_s",
             "wait_timeout_s",
             "reserve_ttl_s",
+            "planner_min_speedup",
         ):
             if getattr(self, key) <= 0:
                 raise bad(key, f"must be positive, got {getattr(self, key)}")
@@ -141,6 +147,8 @@ _TYPES = {
     "single_flight": bool,
     "reserve_ttl_s": float,
     "load_async": bool,
+    "planner": bool,
+    "planner_min_speedup": float,
 }
 TRANSPORTS = ("auto", "shm", "tcp")
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 
-from connector.handoff import expected_chunks, handoff_params, wants_handoff
+from connector.handoff import KEY, expected_chunks, handoff_params, wants_handoff
 from connector.waits import Wait
 from kvstore.core.keys import part_key
 
@@ -52,6 +53,12 @@ class NodeCoordination:
             )
         state.wait, state.waited = None, True
         return False
+
+    @staticmethod
+    def _is_handoff(request) -> bool:
+        """The decode leg of a P/D proxy: its prompt's chunks come from the prefill node."""
+        params = getattr(request, "kv_transfer_params", None)
+        return isinstance(params, Mapping) and isinstance(params.get(KEY), Mapping)
 
     def _renew_claim(self, state) -> None:
         """A producer still computing the prompt chunks it reserved renews the claim every

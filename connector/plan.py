@@ -55,3 +55,4 @@ class SaveSpec:
 class KVStoreMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    scheduled_tokens: int = 0  # tokens the step computes (the load planner times them)

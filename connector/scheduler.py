@@ -36,6 +36,7 @@ from connector.config import ConnectorConfig
 from connector.coordination import NodeCoordination
 from connector.identity import RequestChain, unkeyable
 from connector.plan import KVStoreMetadata, LoadSpec, SaveSpec
+from connector.planner import LoadPlanner
 from connector.waits import Wait
 from kvstore.core.keys import Namespace, part_key
 
@@ -70,6 +71,7 @@ class SchedulerCounters:
     wait_timeouts: int = 0  # waits that ended without the chunks (computed instead)
     reservations: int = 0  # lookups that made this engine the producer of missing chunks
     handoffs: int = 0  # finished prefill requests that told the decode node what they saved
+    planner_skipped_tokens: int = 0  # hits computed: measured slower to load than to compute
 
 
 class SchedulerHalf(NodeCoordination):
@@ -98,6 +100,7 @@ class SchedulerHalf(NodeCoordination):
         self._pool: ThreadPoolExecutor | None = None  # tensor parallelism: ranks asked at once
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.counters = SchedulerCounters()
+        self.planner = LoadPlanner(config.planner_min_speedup) if config.planner else None
 
     @property
     def lookup_failures(self) -> int:
@@ -156,7 +159,10 @@ class SchedulerHalf(NodeCoordination):
             return 0
         reserve = self.save and self.config.single_flight and not state.waited
         waiting = state.wait is not None  # polls take no leases; the poll that ends it does
-        lease = self.load and not waiting
+        # polls take no leases (the poll that ends the wait does); nor does a lookup whose
+        # hit the planner will compute (no Release round trip for it)
+        planned = self.planner is None or self.planner.would_load() or self._is_handoff(request)
+        lease = self.load and not waiting and planned
         state.stored, pending, ok = self._lookup(state, keys, lease=lease, reserve=reserve)
         if self.load and self._keep_waiting(state, request, keys, pending, ok):
             self._release(state)
@@ -181,8 +187,24 @@ class SchedulerHalf(NodeCoordination):
         if hit <= num_computed_tokens:
             self._release(state)
             return 0
+        if not self._worth_loading(request, state, waiting):
+            self.counters.planner_skipped_tokens += hit - num_computed_tokens
+            self._release(state)
+            return 0
+        if not state.lease_ids and not waiting:  # the planner's occasional load: lease it now
+            state.stored, _, ok = self._lookup(state, keys, lease=True, reserve=False)
+            if not ok or min(state.stored, usable) * self.config.chunk_tokens < hit:
+                self._release(state)
+                return 0
         state.load_tokens = (num_computed_tokens, hit)
         return hit - num_computed_tokens
+
+    def _worth_loading(self, request, state: _Request, waiting: bool) -> bool:
+        """The planner's answer; a request that waited for another node's chunks, or the
+        decode leg of a P/D handoff, always loads them: that is what it waited for."""
+        if self.planner is None or waiting or state.waited or self._is_handoff(request):
+            return True
+        return self.planner.worth_loading()
 
     def _lookup(
         self, state: _Request, keys: list[bytes], lease: bool, reserve: bool
@@ -250,6 +272,16 @@ class SchedulerHalf(NodeCoordination):
         meta = KVStoreMetadata()
         self._idle = not getattr(out, "total_num_scheduled_tokens", 1)
         meta.loads, self._background = self._background, []
+        meta.scheduled_tokens = getattr(out, "total_num_scheduled_tokens", 0)
+        return self._build_meta(out, meta)
+
+    def worker_stats(self, data: dict) -> None:
+        """The workers' counter deltas for a step (vLLM hands them to the scheduler)."""
+        if self.planner is not None:
+            self.planner.loaded(data.get("loaded_tokens", 0), data.get("load_seconds", 0.0))
+            self.planner.computed(data.get("timed_tokens", 0), data.get("timed_seconds", 0.0))
+
+    def _build_meta(self, out, meta: KVStoreMetadata) -> KVStoreMetadata:
         for req_id in getattr(out, "preempted_req_ids", None) or ():
             state = self._reqs.get(req_id)
             if state is not None:

@@ -107,6 +107,12 @@ class KVStoreConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         return self._scheduler.build_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output) -> None:
+        """The workers' counters for the step feed the load planner (``connector.planner``)."""
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        if isinstance(stats, KVStoreConnectorStats) and stats.data:
+            self._scheduler.worker_stats(stats.data)
+
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         """Blocks are free at once (saves were copied out in ``wait_for_save``); the prefill
         leg of a P/D proxy returns the ``kv_transfer_params`` its decode leg waits on."""
@@ -119,8 +125,10 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if isinstance(meta, KVStoreMetadata) and meta.loads:
-            self._worker.load(meta)
+        if isinstance(meta, KVStoreMetadata):
+            self._worker.step_started(meta)
+            if meta.loads:
+                self._worker.load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Synchronous loads finish in ``start_load_kv``, before the first layer runs;
@@ -132,8 +140,10 @@ class KVStoreConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         """Copies this step's chunks out of the cache; sending happens in the background."""
         meta = self._get_connector_metadata()
-        if isinstance(meta, KVStoreMetadata) and meta.saves:
-            self._worker.save(meta)
+        if isinstance(meta, KVStoreMetadata):
+            self._worker.step_ended()
+            if meta.saves:
+                self._worker.save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[None, set[str] | None]:
         """Nothing is ever sent from blocks vLLM must keep; background loads (``load_async``)

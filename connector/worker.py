@@ -34,6 +34,7 @@ import torch
 
 from connector.config import ConnectorConfig
 from connector.plan import KVStoreMetadata, LoadSpec, SaveSpec
+from connector.planner import MIN_STEP_TOKENS
 from kvstore.client.shards import ShardedClient, connect
 from kvstore.core import codec
 from kvstore.core.keys import Namespace, part_key
@@ -57,6 +58,8 @@ class WorkerCounters:
     save_skipped: int = 0  # chunks not sent: queue full, or their chain had ended before
     save_failures: int = 0  # chunks that failed to copy, encode or send, or were refused
     chains_ended: int = 0  # requests whose chain ended before its last chunk
+    timed_tokens: int = 0  # tokens of the forwards timed for the load planner
+    timed_seconds: float = 0.0  # their time, start_load_kv to wait_for_save
 
 
 @dataclass
@@ -110,6 +113,7 @@ class WorkerHalf:
         self._ended: set[str] = set()  # requests whose chain ended: gather nothing more
         self._send_failed: set[str] = set()  # the sender's own: drop their queued chunks too
         self._logged: set[str] = set()
+        self._step: tuple[float, int] | None = None  # the forward being timed: start, tokens
 
     @property
     def client(self):
@@ -133,6 +137,23 @@ class WorkerHalf:
             shape = (self.ns.num_layers, self._heads(), self.config.chunk_tokens, self.ns.head_dim)
             cache = self._layers[0]
             codec.compile_kernels(shape, cache.dtype, cache.device)  # eager if this fails
+
+    # ---- timing forwards for the load planner ----------------------------------------
+
+    def step_started(self, meta: KVStoreMetadata) -> None:
+        """A forward of ``meta.scheduled_tokens`` begins: timed if it is mostly prefill and
+        loads nothing (a load's time is the load's). Not on a GPU: its kernels run after
+        the forward returns, so a wall clock here would say nothing about compute."""
+        cpu = bool(self._layers) and not self._layers[0].is_cuda
+        timed = cpu and meta.scheduled_tokens >= MIN_STEP_TOKENS and not meta.loads
+        self._step = (time.perf_counter(), meta.scheduled_tokens) if timed else None
+
+    def step_ended(self) -> None:
+        if self._step is not None:
+            started, tokens = self._step
+            self._step = None
+            self._count("timed_seconds", time.perf_counter() - started)
+            self._count("timed_tokens", tokens)
 
     # ---- loading ---------------------------------------------------------------------
 

@@ -81,7 +81,11 @@ def free_port() -> int:
 
 
 def kv_transfer_config(store: str, codec: str, chunk_tokens: int, **extra) -> dict:
-    """vLLM's ``kv_transfer_config`` for the kvstore connector."""
+    """vLLM's ``kv_transfer_config`` for the kvstore connector.
+
+    The load planner is off unless asked for: tests and benchmarks measure loading, and a
+    tiny model's prefill is cheap enough that the planner would compute their hits instead.
+    """
     return {
         "kv_connector": "KVStoreConnector",
         "kv_connector_module_path": "connector.vllm",
@@ -90,6 +94,7 @@ def kv_transfer_config(store: str, codec: str, chunk_tokens: int, **extra) -> di
             "store": store,
             "codec": codec,
             "chunk_tokens": chunk_tokens,
+            "planner": False,
             **extra,
         },
     }

@@ -183,12 +183,15 @@ def test_b_loads_a_prefix_that_a_prefilled_and_matches_recompute_exactly(cluster
 
 @pytest.fixture(scope="module")
 def more(model, cluster):
-    """Started together: an fp8 pair over TCP, and a raw node C that loads in the
-    background (``load_async``: the request waits out of the batch while others run)."""
+    """Started together: an fp8 pair over TCP, a raw node C that loads in the
+    background (``load_async``: the request waits out of the batch while others run),
+    and a node P whose load planner wants loading a million times faster than computing."""
     store = cluster["store"]
     fp8 = connector(store.address, "fp8", transport="tcp")
-    engines = start_engines(model, [fp8, fp8, connector(store.address, load_async=True)])
-    yield dict(zip(("a8", "b8", "c"), engines))
+    c = connector(store.address, load_async=True)
+    p = connector(store.address, planner=True, planner_min_speedup=1e6)
+    engines = start_engines(model, [fp8, fp8, c, p])
+    yield dict(zip(("a8", "b8", "c", "p"), engines))
     for e in engines:
         e.close()
 
@@ -227,6 +230,25 @@ def test_background_loads_match_recompute_exactly_with_requests_in_flight(cluste
     want = ref.ask({"batch": batch, "max_tokens": 12})["outputs"]
     assert [g["num_cached_tokens"] for g in got] == [PREFIX] * 3 + [0]
     assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
+
+
+def test_the_planner_computes_hits_once_it_measured_them_slower_to_load(cluster, more):
+    """Node P loads hits until it has measured both its prefill speed (steps of new
+    prompts) and its loads (vLLM hands the workers' counters to the scheduler); then, no
+    load being a million times faster than computing, it computes them. Same output."""
+    store, a, p, ref = cluster["store"], cluster["a"], more["p"], cluster["ref"]
+    for seed in range(80, 84):  # prefill steps of 200 tokens, nothing stored for them
+        p.generate(tokens(seed, 200), max_tokens=4)
+    prefixes = [tokens(90 + i, PREFIX) for i in range(5)]
+    with KVStoreClient(store.address) as client:
+        before = client.stats().chunks
+    for prefix in prefixes:
+        a.generate(prefix + tokens(95, 5), max_tokens=1)
+    assert wait_for_chunks(store.address, before + 5 * 4) >= before + 5 * 4
+    prompts = [prefix + tokens(100 + i, 20) for i, prefix in enumerate(prefixes)]
+    got = [p.generate(prompt) for prompt in prompts]
+    assert [g["num_cached_tokens"] for g in got] == [PREFIX] * 3 + [0, 0]
+    assert [g["tokens"] for g in got] == [ref.generate(prompt)["tokens"] for prompt in prompts]
 
 
 def test_a_dead_store_means_recompute_not_a_crash(cluster):
