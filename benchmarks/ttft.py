@@ -64,6 +64,10 @@ LLAMA3_8B = dict(hidden=4096, q_dim=4096, kv_heads=8, head_dim=128, mlp=14336, l
 # against KV bytes: dense FLOPs per KV byte, and attention FLOPs per dense FLOP
 # (query width / dense parameters). Two layers keep a 16K prefill in CPU seconds.
 SHAPE = dict(hidden=1024, q_dim=256, kv_heads=1, head_dim=64, mlp=4224, layers=2)
+# ``--shape test``: the test suite's tiny Llama (tests/connector/tiny_llama.py defaults), whose
+# prefill is so cheap that loading a short prefix may cost more than computing it.
+TEST_SHAPE = dict(hidden=128, q_dim=128, kv_heads=2, head_dim=32, mlp=256, layers=2)
+SHAPES = {"bench": SHAPE, "test": TEST_SHAPE}
 
 
 def shape_report(s: dict) -> dict:
@@ -85,7 +89,16 @@ def shape_report(s: dict) -> dict:
 MAX_POSITIONS = 131072  # each run sets its own --max-model-len below this
 
 
-def build_model(path: Path) -> Path:
+def model_shape(args) -> tuple[dict, Path]:
+    """The ``--shape`` asked for and where its model lives."""
+    name = getattr(args, "shape", "bench")
+    path = args.model_dir
+    if name != "bench" and path == MODEL_DIR:
+        path = MODEL_DIR.with_name(f"{MODEL_DIR.name}-{name}")
+    return SHAPES[name], path
+
+
+def build_model(path: Path, s: dict = SHAPE) -> Path:
     """The model, built once into ``path`` (random weights: TTFT does not depend on them)."""
     import json
 
@@ -97,7 +110,6 @@ def build_model(path: Path) -> Path:
         and json.loads(config.read_text())["max_position_embeddings"] >= MAX_POSITIONS
     ):
         return path
-    s = SHAPE
     return build_tiny_llama(
         path,
         hidden_size=s["hidden"],
@@ -111,12 +123,13 @@ def build_model(path: Path) -> Path:
     )
 
 
-def connector(store: str, codec: str, transport: str = "auto") -> dict:
+def connector(store: str, codec: str, transport: str = "auto", planner: bool = False) -> dict:
     return kv_transfer_config(
         store,
         codec,
         CHUNK_TOKENS,
         transport=transport,
+        planner=planner,
         lookup_timeout_s=2.0,
         load_timeout_s=30.0,
         save_timeout_s=60.0,
@@ -153,7 +166,8 @@ class ModelBench:
         self.rng = random.Random(args.seed)
         self.logs = RESULTS / f"{name}-logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.model = build_model(args.model_dir)
+        self.shape, model_dir = model_shape(args)
+        self.model = build_model(model_dir, self.shape)
         self.vocab = json.loads((self.model / "config.json").read_text())["vocab_size"]
         self.servers: dict[str, OpenAIServer] = {}
 
@@ -166,6 +180,10 @@ class Bench(ModelBench):
         super().__init__("ttft", args, work)
         self.store = self.client = None
         self.expected_chunks = 0
+        # requests the connector's planner computed instead of loading (``--planner``)
+        self.computed: dict[str, dict[int, int]] = {
+            c: dict.fromkeys(args.lengths, 0) for c in CONFIGS
+        }
 
     def start(self) -> dict:
         """The store, then the five servers (started together; their start-up is mostly imports)."""
@@ -183,7 +201,11 @@ class Bench(ModelBench):
         env = {} if args.gpu else CPU_ENV
 
         def server(name, codec=None, prefix_caching=False):
-            kv = connector(self.store.address, codec, self.args.transport) if codec else None
+            kv = (
+                connector(self.store.address, codec, self.args.transport, self.args.planner)
+                if codec
+                else None
+            )
             return OpenAIServer(
                 name,
                 self.model,
@@ -227,6 +249,9 @@ class Bench(ModelBench):
             prefix = self.tokens(2 * CHUNK_TOKENS)
             self.prefill_on_a(codec, prefix + self.tokens(SUFFIX))
             self.servers[f"b_{codec}"].ttft(prefix + self.tokens(SUFFIX))
+            if self.args.planner:  # new prompts: the planner's prefill samples
+                for _ in range(4):
+                    self.servers[f"b_{codec}"].ttft(self.tokens(2 * CHUNK_TOKENS + SUFFIX))
 
     def measure(self, length: int, samples: dict, progress: Progress) -> None:
         def record(config: str, server: str, prompt: list[int], want_cached: int) -> None:
@@ -238,6 +263,9 @@ class Bench(ModelBench):
             # (a) and (b) read nothing from it
             want_reads = length // CHUNK_TOKENS if config.startswith("kvstore") else 0
             reads = self.store_hits() - hits
+            if want_reads and self.args.planner and cached == 0 and reads == 0:
+                self.computed[config][length] += 1  # the planner chose to compute it
+                ok, want_reads = True, 0
             if not ok or reads < want_reads or (want_reads == 0 and reads):
                 raise AssertionError(
                     f"{config} at {length} tokens: server {server} reports {cached} cached "
@@ -318,6 +346,17 @@ def main() -> None:
         default="auto",
         help="the connector's transport: tcp is what a store on another node gets",
     )
+    p.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="bench",
+        help="bench: the benchmark model; test: the test suite's tiny Llama",
+    )
+    p.add_argument(
+        "--planner",
+        action="store_true",
+        help="the connector's load planner on: node B computes hits it measures slower to load",
+    )
     p.add_argument("--batched-tokens", type=int, default=2048, help="--max-num-batched-tokens")
     args = p.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # progress shows up in logs as it happens
@@ -338,10 +377,11 @@ def main() -> None:
         )
 
     started = time.monotonic()
-    shape = shape_report(SHAPE)
+    chosen, _ = model_shape(args)
+    shape = shape_report(chosen)
     ref = shape_report(LLAMA3_8B)
     print(
-        f"model: {SHAPE}; {shape['flops_per_kv_byte']} dense FLOP per FP16 KV byte "
+        f"model: {chosen}; {shape['flops_per_kv_byte']} dense FLOP per FP16 KV byte "
         f"(Llama-3-8B {ref['flops_per_kv_byte']}); attention equals dense compute at "
         f"{shape['attention_breakeven_context']} tokens of context "
         f"(Llama-3-8B {ref['attention_breakeven_context']})",
@@ -378,6 +418,12 @@ def main() -> None:
         "speedup_vs_recompute": {
             c: {n: round(x, 2) for n, x in v.items()} for c, v in speedup.items()
         },
+        "planner": args.planner,
+        "planner_computed": {
+            c: {str(n): k for n, k in v.items()}
+            for c, v in bench.computed.items()
+            if any(v.values())
+        },
         "samples_ms": {
             c: {str(n): [round(x, 1) for x in v] for n, v in s.items()} for c, s in samples.items()
         },
@@ -386,7 +432,7 @@ def main() -> None:
             "target": "<= 0.2 at 4096 tokens and longer",
             "met": bool(ratio) and all(r <= 0.2 for r in ratio.values()),
         },
-        "model_shape": SHAPE,
+        "model_shape": chosen,
         "model_ratios": shape,
         "llama3_8b_ratios": ref,
         "chunk_tokens": CHUNK_TOKENS,

@@ -6,10 +6,11 @@ Offers ``LoadPlanner(min_speedup)`` with ``computed(tokens, seconds)`` and
 each step), ``worth_loading()`` (a decision, counted) and ``would_load()`` (its next
 answer, not counted: the scheduler takes a lease only for a hit it will load).
 
-A compute sample is a forward's time per token, timed by the worker from ``start_load_kv``
-to ``wait_for_save``, for forwards of at least ``MIN_STEP_TOKENS`` tokens (mostly prefill)
-that loaded nothing (``WorkerHalf.step_started``); on a GPU nothing is timed yet (kernels
-run after the forward returns), so every hit is loaded there. A load sample is seconds per
+A compute sample is a forward's time per token, timed by the worker from vLLM's
+``bind_connector_metadata`` (just before the forward) to ``wait_for_save``, for forwards
+of at least ``MIN_STEP_TOKENS`` tokens (mostly prefill) that loaded nothing
+(``WorkerHalf.step_started``); on a GPU nothing is timed yet (kernels run after the
+forward returns), so every hit is loaded there. A load sample is seconds per
 token loaded, store call to last block written. Decisions use the
 medians of the last ``SAMPLES`` of each; until there are ``MIN_SAMPLES`` of both, every hit
 is loaded. A hit is skipped (computed instead) when computing it is estimated to take less

@@ -123,12 +123,17 @@ class KVStoreConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches) -> None:
         self._worker.register(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        """Called just before each forward (``start_load_kv`` comes after it when the step
+        has no synchronous load): the load planner times the forward from here."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVStoreMetadata):
+            self._worker.step_started(connector_metadata)
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if isinstance(meta, KVStoreMetadata):
-            self._worker.step_started(meta)
-            if meta.loads:
-                self._worker.load(meta)
+        if isinstance(meta, KVStoreMetadata) and meta.loads:
+            self._worker.load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Synchronous loads finish in ``start_load_kv``, before the first layer runs;

@@ -59,7 +59,7 @@ class WorkerCounters:
     save_failures: int = 0  # chunks that failed to copy, encode or send, or were refused
     chains_ended: int = 0  # requests whose chain ended before its last chunk
     timed_tokens: int = 0  # tokens of the forwards timed for the load planner
-    timed_seconds: float = 0.0  # their time, start_load_kv to wait_for_save
+    timed_seconds: float = 0.0  # their time, metadata bound (forward starts) to wait_for_save
 
 
 @dataclass
