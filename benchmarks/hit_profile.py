@@ -8,7 +8,7 @@ from a paged CPU cache of ``ttft.py``'s model (2 layers, 1 KV head x 64, float32
 block 32, chunk 256 tokens); a second ``WorkerHalf`` loads them into other blocks, each
 stage timed apart as the connector runs it: ``lookup`` (the scheduler's one Lookup with a
 lease), ``transfer`` (gRPC Get, or shared memory into the staging buffer), ``decode``
-(``codec.decode``), ``scatter`` (into the paged blocks). Cases: transport ``tcp`` or
+(``codec.decode_many``), ``scatter`` (into the paged blocks). Cases: transport ``tcp`` or
 ``shm`` x codec ``raw`` or ``fp8`` (fp8 eager, then fused). Medians of the repeats.
 """
 
@@ -68,7 +68,7 @@ def profile(store: str, codec_name: str, transport: str, tokens: int, repeats: i
         t1 = time.perf_counter()
         payloads = loader._fetch(parts)
         t2 = time.perf_counter()
-        decoded = [codec.decode(p) for p in payloads]
+        decoded, _ = codec.decode_many(payloads)
         t3 = time.perf_counter()
         loader.scatter(decoded, LoadSpec("p", keys, list(range(blocks)), 0))
         t4 = time.perf_counter()

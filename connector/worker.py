@@ -206,9 +206,13 @@ class WorkerHalf:
         decoded: list[tuple[torch.Tensor, torch.Tensor]] = []
         nbytes = 0
         try:
-            for payload in self._fetch(keys)[: len(keys)]:
-                decoded.append(self._decoded(payload))
-                nbytes += memoryview(payload).nbytes
+            payloads = self._fetch(keys)[: len(keys)]
+            got, error = codec.decode_many(payloads)
+            self._check_shape(got)
+            decoded = got
+            nbytes = sum(memoryview(p).nbytes for p in payloads[: len(decoded)])
+            if error is not None:
+                raise error
         except Exception as exc:  # the chunks from here on are recomputed; the engine goes on
             log.warning(
                 "kvstore load for %s stopped after %d chunks: %s", spec.req_id, len(decoded), exc
@@ -248,13 +252,12 @@ class WorkerHalf:
         src = codec.dtype_name(self._layers[0].dtype)
         return codec.HEADER_BYTES + expected_body_len(self.config.codec, src, shape)
 
-    def _decoded(self, payload) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one chunk part, ``[layers, heads, tokens, head_dim]``, shape-checked."""
-        k, v = codec.decode(payload)
+    def _check_shape(self, decoded: list) -> None:
+        """A load's chunks share one shape (``decode_many``): it must be the engine's."""
         want = (self.ns.num_layers, self._heads(), self.config.chunk_tokens, self.ns.head_dim)
-        if tuple(k.shape) != want:
-            raise ValueError(f"chunk shape {tuple(k.shape)} does not match the engine's {want}")
-        return k, v
+        if decoded and tuple(decoded[0][0].shape) != want:
+            shape = tuple(decoded[0][0].shape)
+            raise ValueError(f"chunk shape {shape} does not match the engine's {want}")
 
     def scatter(self, decoded: list[tuple[torch.Tensor, torch.Tensor]], spec: LoadSpec) -> None:
         """Write the decoded leading chunks of ``spec`` into its blocks: per layer, one

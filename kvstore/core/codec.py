@@ -1,7 +1,8 @@
 """Encode K/V tensors in the canonical layout to chunk payloads and back (torch).
 
-Offers ``encode(k, v, codec)``, ``decode(payload, device=None)`` and
-``compile_kernels(shape, dtype)`` (fused fp8 kernels, warmed once; eager otherwise).
+Offers ``encode(k, v, codec)``, ``decode(payload, device=None)``, ``decode_many(payloads)``
+(a load's chunks, fp8 dequantised in one call) and ``compile_kernels(shape, dtype)``
+(fused fp8 kernels, warmed once; eager otherwise).
 
 K and V are ``[layers, kv_heads, tokens, head_dim]`` tensors of one dtype.
 ``raw`` keeps that dtype bit for bit. ``fp8`` stores float8_e4m3 codes with
@@ -66,10 +67,13 @@ def _dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 
 class _Kernels:
     """Eager torch until ``compile_kernels`` swaps in fused ones (one pass over memory
-    instead of four or five temporaries; 0.4-1.0 GB/s eager against 5.7-9 fused here)."""
+    instead of four or five temporaries; 0.4-1.0 GB/s eager against 5.7-9 fused here).
+    ``dequantize_many`` takes a leading chunk dimension of any size (compiled with dynamic
+    shapes, so a new count of chunks never recompiles)."""
 
     quantize = staticmethod(_quantize)
     dequantize = staticmethod(_dequantize)
+    dequantize_many = staticmethod(_dequantize)
     compiled = False
 
 
@@ -84,6 +88,7 @@ def compile_kernels(shape: tuple[int, int, int, int], dtype: torch.dtype, device
     try:
         quantize = torch.compile(_quantize, dynamic=False)
         dequantize = torch.compile(_dequantize, dynamic=False)
+        dequantize_many = torch.compile(_dequantize, dynamic=True)
         x = torch.randn(shape, device=device).to(dtype)
         for dim in (2, 3):
             codes, scale = quantize(x, dim)
@@ -92,10 +97,15 @@ def compile_kernels(shape: tuple[int, int, int, int], dtype: torch.dtype, device
             agree = (codes.view(torch.uint8) == want.view(torch.uint8)).float().mean().item()
             if agree < 0.99:
                 raise RuntimeError(f"fused fp8 codes agree with eager on only {agree:.4f}")
+            # two chunks: sizes 0 and 1 would be specialised, 2 and up share one kernel
+            pair = (torch.stack([codes, codes]), torch.stack([scale, scale]).unsqueeze(dim + 1))
+            if not torch.equal(dequantize_many(*pair, dtype), _dequantize(*pair, dtype)):
+                raise RuntimeError("fused fp8 batch dequantisation disagrees with eager")
     except Exception as exc:
         log.warning("fp8 codec stays eager (torch.compile failed: %s)", exc)
         return False
     _Kernels.quantize, _Kernels.dequantize = quantize, dequantize
+    _Kernels.dequantize_many = dequantize_many
     _Kernels.compiled = True
     return True
 
@@ -147,7 +157,56 @@ def decode(
 
     ``raw`` K and V are views of a writable ``payload`` (no copy): they are valid as
     long as the caller keeps its buffer unchanged."""
-    header, body = parse_payload(payload)
+    return _decode_parsed(*parse_payload(payload), device)
+
+
+def decode_many(
+    payloads, device: torch.device | str | None = None
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], PayloadError | None]:
+    """``decode`` of a load's payloads, stopping at the first that is invalid or differs
+    from the first in codec, dtype or shape: the (K, V) of those before it, and the error.
+
+    fp8 chunks are dequantised in one call for all of them (``[chunks, L, H, T, D]``):
+    per chunk, dispatching the kernels cost several times the arithmetic (16 chunks of
+    the ttft model: 0.9 ms batched against 3-6 ms one by one, here).
+    """
+    parsed: list[tuple[ChunkHeader, memoryview]] = []
+    error: PayloadError | None = None
+    for payload in payloads:
+        try:
+            header, body = parse_payload(payload)
+        except PayloadError as exc:
+            error = exc
+            break
+        if parsed and header != parsed[0][0]:
+            error = PayloadError(f"a load's chunks differ: {header} after {parsed[0][0]}")
+            break
+        parsed.append((header, body))
+    if len(parsed) < 2 or parsed[0][0].codec != "fp8":
+        return [_decode_parsed(h, b, device) for h, b in parsed], error
+    header = parsed[0][0]
+    layers, heads, tokens, dim = shape = header.shape
+    n, k_scales = layers * heads * tokens * dim, 4 * layers * heads * dim
+    raws = [_body_tensor(body, copy=False) for _, body in parsed]
+    if device is not None:
+        raws = [r.to(device) for r in raws]
+
+    def stacked(start: int, end: int) -> torch.Tensor:  # one small copy per part
+        return torch.stack([r[start:end] for r in raws])
+
+    count, dtype = len(raws), _TORCH_DTYPES[header.src_dtype]
+    k_codes = stacked(0, n).view(FP8).reshape(count, *shape)
+    v_codes = stacked(n, 2 * n).view(FP8).reshape(count, *shape)
+    k_scale = stacked(2 * n, 2 * n + k_scales).view(torch.float32)
+    v_scale = stacked(2 * n + k_scales, header.body_len).view(torch.float32)
+    k = _Kernels.dequantize_many(k_codes, k_scale.reshape(count, layers, heads, 1, dim), dtype)
+    v = _Kernels.dequantize_many(v_codes, v_scale.reshape(count, layers, heads, tokens, 1), dtype)
+    return [(k[i], v[i]) for i in range(count)], error
+
+
+def _decode_parsed(
+    header: ChunkHeader, body: memoryview, device: torch.device | str | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     shape = header.shape
     dtype = _TORCH_DTYPES[header.src_dtype]
     raw = _body_tensor(body, copy=header.codec == "raw" and body.readonly)
@@ -172,4 +231,12 @@ def decode(
     return k, v
 
 
-__all__ = ["HEADER_BYTES", "compile_kernels", "decode", "dtype_name", "encode", "quantize_fp8"]
+__all__ = [
+    "HEADER_BYTES",
+    "compile_kernels",
+    "decode",
+    "decode_many",
+    "dtype_name",
+    "encode",
+    "quantize_fp8",
+]

@@ -116,7 +116,8 @@ def test_the_unmodified_payload_parses():
 
 
 def test_fused_fp8_kernels_agree_with_eager_within_the_same_tolerance(monkeypatch):
-    for name in ("quantize", "dequantize", "compiled"):  # other tests keep the eager kernels
+    # other tests keep the eager kernels
+    for name in ("quantize", "dequantize", "dequantize_many", "compiled"):
         monkeypatch.setattr(codec._Kernels, name, getattr(codec._Kernels, name))
     k, v = kv_with_outliers()
     eager = codec.encode(k, v, "fp8")
@@ -131,3 +132,27 @@ def test_fused_fp8_kernels_agree_with_eager_within_the_same_tolerance(monkeypatc
     assert rel_l2(k2, k) <= 0.03 and rel_l2(v2, v) <= 0.03
     fused_k, fused_v = codec.decode(eager)
     assert torch.equal(fused_k, eager_k) and torch.equal(fused_v, eager_v)
+    # the batch kernel (dynamic shapes): any number of chunks, equal to one-by-one decodes
+    for count in (2, 3, 5):
+        many, error = codec.decode_many([eager] * count)
+        assert error is None and len(many) == count
+        assert all(torch.equal(mk, eager_k) and torch.equal(mv, eager_v) for mk, mv in many)
+
+
+@pytest.mark.parametrize("codec_name", ["raw", "fp8"])
+def test_decode_many_equals_decode_one_by_one_and_stops_at_a_bad_payload(codec_name):
+    payloads = [codec.encode(*kv_with_outliers(seed=i), codec_name) for i in range(4)]
+    one_by_one = [codec.decode(p) for p in payloads]
+    many, error = codec.decode_many(payloads)
+    assert error is None and len(many) == 4
+    for (k1, v1), (k2, v2) in zip(one_by_one, many, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    broken = bytearray(payloads[2])
+    broken[-1] ^= 0xFF  # the checksum no longer matches
+    many, error = codec.decode_many([payloads[0], payloads[1], bytes(broken), payloads[3]])
+    assert isinstance(error, PayloadError) and len(many) == 2
+    assert torch.equal(many[1][0], one_by_one[1][0])
+    other = codec.encode(*(x[:, :, :16] for x in kv_with_outliers()), codec_name)
+    many, error = codec.decode_many([payloads[0], other])
+    assert len(many) == 1 and "differ" in str(error)
+    assert codec.decode_many([]) == ([], None)
