@@ -158,17 +158,15 @@ class SchedulerHalf(NodeCoordination):
         if not keys or not (self.load or self.save):
             return 0
         reserve = self.save and self.config.single_flight and not state.waited
-        waiting = state.wait is not None  # polls take no leases; the poll that ends it does
-        # polls take no leases (the poll that ends the wait does); nor does a lookup whose
-        # hit the planner will compute (no Release round trip for it)
+        # a lease only where this lookup's hit is likely loaded: not for a waiting request's
+        # polls, nor for a hit the planner will compute; one found needed is taken below
+        waiting = state.wait is not None
         planned = self.planner is None or self.planner.would_load() or self._is_handoff(request)
         lease = self.load and not waiting and planned
         state.stored, pending, ok = self._lookup(state, keys, lease=lease, reserve=reserve)
         if self.load and self._keep_waiting(state, request, keys, pending, ok):
             self._release(state)
             return None
-        if self.load and waiting and ok and state.stored:
-            state.stored, _, ok = self._lookup(state, keys, lease=True, reserve=False)
         self.counters.lookup_tokens += len(keys) * self.config.chunk_tokens
         if state.saved >= 0:
             state.saved = max(state.saved, state.stored)
@@ -187,22 +185,23 @@ class SchedulerHalf(NodeCoordination):
         if hit <= num_computed_tokens:
             self._release(state)
             return 0
-        if not self._worth_loading(request, state, waiting):
+        if not self._worth_loading(request, state):
             self.counters.planner_skipped_tokens += hit - num_computed_tokens
             self._release(state)
             return 0
-        if not state.lease_ids and not waiting:  # the planner's occasional load: lease it now
+        if not state.lease_ids:  # the poll that ended a wait, or the planner's exploring load
             state.stored, _, ok = self._lookup(state, keys, lease=True, reserve=False)
-            if not ok or min(state.stored, usable) * self.config.chunk_tokens < hit:
+            hit = min(state.stored, usable) * self.config.chunk_tokens if ok else 0
+            if hit <= num_computed_tokens:
                 self._release(state)
                 return 0
         state.load_tokens = (num_computed_tokens, hit)
         return hit - num_computed_tokens
 
-    def _worth_loading(self, request, state: _Request, waiting: bool) -> bool:
+    def _worth_loading(self, request, state: _Request) -> bool:
         """The planner's answer; a request that waited for another node's chunks, or the
         decode leg of a P/D handoff, always loads them: that is what it waited for."""
-        if self.planner is None or waiting or state.waited or self._is_handoff(request):
+        if self.planner is None or state.waited or self._is_handoff(request):
             return True
         return self.planner.worth_loading()
 
