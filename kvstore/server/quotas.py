@@ -2,10 +2,10 @@
 
 Offers ``Quotas(max_leases, max_streams, max_inflight_bytes)`` with ``stream(client)``
 (a context manager around a Get or Put stream), ``inflight(client, nbytes)`` (bytes of
-a Put being stored) and ``lease_taken`` / ``lease_ended`` / ``check_leases``. A client
-is a tenant, or a peer address when there are no tenants. Going over a limit raises
-``QuotaExceeded``, which the service answers with RESOURCE_EXHAUSTED and a message
-naming the limit.
+a Put being stored; ``inflight_bytes()`` reads the total) and ``lease_taken`` /
+``lease_ended`` / ``check_leases``. A client is a tenant, or a peer address when there
+are no tenants. Going over a limit raises ``QuotaExceeded``, which the service answers
+with RESOURCE_EXHAUSTED and a message naming the limit.
 """
 
 from __future__ import annotations
@@ -74,6 +74,11 @@ class Quotas:
         finally:
             with self._lock:
                 self._bytes[client] -= nbytes
+
+    def inflight_bytes(self) -> int:
+        """Put bytes counted in flight now, all clients together."""
+        with self._lock:
+            return sum(self._bytes.values())
 
     def check_leases(self, client: str) -> None:
         """Refuse a new lease when the client holds its limit of unexpired ones."""

@@ -17,6 +17,7 @@ from kvstore.core import wire
 from kvstore.server.service import Limits
 from tests.chunks import chain
 from tests.service.conftest import keys_of, payloads_of
+from tests.service.test_disconnect import wait_until
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -129,6 +130,8 @@ def test_a_payload_in_parts_holds_all_its_bytes_in_flight_from_its_first_part(se
 
     held = stub.put.future(slow(), timeout=20)
     assert first_sent.wait(10)
+    # the generator handing over its first part does not mean the server has read it
+    wait_until(lambda: served.server.service.quotas.inflight_bytes() == size, timeout_s=10)
     other = chain(1, seed=6)
     try:
         err = refused(stub, [wire.encode_put_request(other)])
