@@ -123,13 +123,16 @@ def build_model(path: Path, s: dict = SHAPE) -> Path:
     )
 
 
-def connector(store: str, codec: str, transport: str = "auto", planner: bool = False) -> dict:
+def connector(
+    store: str, codec: str, transport: str = "auto", planner: bool = False, layerwise: bool = True
+) -> dict:
     return kv_transfer_config(
         store,
         codec,
         CHUNK_TOKENS,
         transport=transport,
         planner=planner,
+        load_layerwise=layerwise,
         lookup_timeout_s=2.0,
         load_timeout_s=30.0,
         save_timeout_s=60.0,
@@ -202,7 +205,13 @@ class Bench(ModelBench):
 
         def server(name, codec=None, prefix_caching=False):
             kv = (
-                connector(self.store.address, codec, self.args.transport, self.args.planner)
+                connector(
+                    self.store.address,
+                    codec,
+                    self.args.transport,
+                    self.args.planner,
+                    not self.args.no_layerwise,
+                )
                 if codec
                 else None
             )
@@ -357,6 +366,11 @@ def main() -> None:
         action="store_true",
         help="the connector's load planner on: node B computes hits it measures slower to load",
     )
+    p.add_argument(
+        "--no-layerwise",
+        action="store_true",
+        help="node B loads each hit whole before the forward (load_layerwise off)",
+    )
     p.add_argument("--batched-tokens", type=int, default=2048, help="--max-num-batched-tokens")
     args = p.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # progress shows up in logs as it happens
@@ -419,6 +433,7 @@ def main() -> None:
             c: {n: round(x, 2) for n, x in v.items()} for c, v in speedup.items()
         },
         "planner": args.planner,
+        "layerwise": not args.no_layerwise,
         "planner_computed": {
             c: {str(n): k for n, k in v.items()}
             for c, v in bench.computed.items()

@@ -61,6 +61,10 @@ class ConnectorConfig:
     # load in the background (vLLM's asynchronous loads): a long load never holds up the
     # step other requests are decoding in; costs the loading request a step or two
     load_async: bool = False
+    # a step's synchronous loads are written a layer at a time by a loader thread while
+    # the forward runs, each attention layer waiting only for its own (CPU engines; on a
+    # GPU loads stay whole, before the forward)
+    load_layerwise: bool = True
     # skip a hit that measured speeds say is slower to load than to compute (a small model,
     # a slow link: connector.planner); loads only when computing it would take at least
     # planner_min_speedup times as long as loading it. The compute estimate is a forward's
@@ -149,6 +153,7 @@ _TYPES = {
     "single_flight": bool,
     "reserve_ttl_s": float,
     "load_async": bool,
+    "load_layerwise": bool,
     "planner": bool,
     "planner_min_speedup": float,
 }

@@ -136,8 +136,11 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._worker.load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Synchronous loads finish in ``start_load_kv``, before the first layer runs;
+        """With ``load_layerwise`` (CPU), until the step's loads wrote this layer; else
+        synchronous loads finished in ``start_load_kv``, before the first layer ran, and
         background loads (``load_async``) hold their request out of the batch instead."""
+        if self._worker is not None:
+            self._worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         """Chunks are saved whole, after the last layer, in ``wait_for_save``."""

@@ -2,10 +2,13 @@
 
 Offers ``WorkerHalf`` with ``register(kv_caches)``, ``load(meta)`` (before the
 forward: synchronous, bounded by ``load_timeout_s``; on the store's host through its
-shared memory, ``ConnectorConfig.transport``; background loads go to a loader
-thread and are reported by ``loads_done()``), ``save(meta)`` (after the
-forward: copies the chunks out of the paged cache, then encodes and sends them
-from a background thread), ``finished(req_ids)``, ``load_errors()`` and ``close()``.
+shared memory, ``ConnectorConfig.transport``; with ``load_layerwise`` a loader thread
+writes the step's loads a layer at a time while the forward runs, and
+``wait_for_layer(name)`` holds each attention layer until its layer is in; background
+loads go to a loader thread and are reported by ``loads_done()``), ``save(meta)``
+(after the forward: copies the chunks out of the paged cache, then encodes and sends
+them from a background thread), ``finished(req_ids)``, ``load_errors()`` and
+``close()``.
 
 A load that fails or comes back short reports the blocks it could not fill, so
 vLLM recomputes them (a background load's in the same pass that reports it done);
@@ -22,6 +25,7 @@ in ``counters``; each kind of error is logged once.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import re
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from connector.config import ConnectorConfig
+from connector.layer_loads import LayerLoads
 from connector.plan import KVStoreMetadata, LoadSpec, SaveSpec
 from connector.planner import MIN_STEP_TOKENS
 from kvstore.client.shards import ShardedClient, connect
@@ -60,6 +65,22 @@ class WorkerCounters:
     chains_ended: int = 0  # requests whose chain ended before its last chunk
     timed_tokens: int = 0  # tokens of the forwards timed for the load planner
     timed_seconds: float = 0.0  # their time, metadata bound (forward starts) to wait_for_save
+    layerwise_loads: int = 0  # steps whose loads were written a layer at a time
+    layer_waits: int = 0  # attention layers that asked for their layer of those loads
+    layer_wait_seconds: float = 0.0  # the forward's waits for those layers, all together
+
+
+@dataclass
+class _Fetched:
+    """A load's chunks, fetched and decoded, and where they go in the cache."""
+
+    spec: LoadSpec
+    decoded: list[tuple[torch.Tensor, torch.Tensor]]
+    nbytes: int
+    started: float
+    ids: list[int]  # cache blocks, all layers alike (``_scatter_plan``)
+    cuts: list[tuple[int, slice]]
+    written: bool = True  # False once writing a layer failed: no block of it is trusted
 
 
 @dataclass
@@ -100,7 +121,11 @@ class WorkerHalf:
         self.counters = WorkerCounters()
         self._layers: list[torch.Tensor] = []
         self._layout = None
-        self._staging = torch.empty(0, dtype=torch.uint8)  # same-host loads land here
+        self._staging: dict[object, torch.Tensor] = {}  # same-host loads land here, per slot
+        self._layer_index: dict[str, int] = {}
+        self._layerwise = False
+        self._layer_jobs: queue.Queue | None = None  # (LayerLoads, specs) for the layer thread
+        self._layer_job: LayerLoads | None = None  # this step's
         self._errors: set[int] = set()
         self._loader: queue.Queue | None = None  # background loads, in order
         self._loaded: list[tuple[str, set[int]]] = []  # done: request, blocks not filled
@@ -133,6 +158,10 @@ class WorkerHalf:
                 f"{self.ns.num_layers}"
             )
         self._layout = self._layout_for(self._layers[0], names[0])
+        self._layer_index = {n: i for i, n in enumerate(names)}
+        # not on a GPU yet: the copies would need ordering against the engine's stream
+        # (blocks it zeroes before the loads), and no test here can run that
+        self._layerwise = self.config.load_layerwise and not self._layers[0].is_cuda
         if self.config.codec == "fp8" and self.config.compile_codec:
             shape = (self.ns.num_layers, self._heads(), self.config.chunk_tokens, self.ns.head_dim)
             cache = self._layers[0]
@@ -158,16 +187,23 @@ class WorkerHalf:
     # ---- loading ---------------------------------------------------------------------
 
     def load(self, meta: KVStoreMetadata) -> None:
+        now = [spec for spec in meta.loads if not spec.background]
         for spec in meta.loads:
             if spec.background:
                 self._load_in_background(spec)
-            else:
-                self._errors.update(self._load_checked(spec))
+        if now and self._layerwise:
+            self._load_by_layer(now)
+            return
+        for slot, spec in enumerate(now):
+            self._errors.update(self._load_checked(spec, slot))
 
-    def _load_checked(self, spec: LoadSpec) -> set[int]:
+    def _load_checked(self, spec: LoadSpec, slot: object) -> set[int]:
         """Blocks of ``spec`` that could not be filled."""
         try:
-            return self._load_one(spec)
+            fetched = self._fetch_decoded(spec, slot)
+            for layer in range(len(self._layers)):
+                self._write_layer(fetched, layer)
+            return self._settle(fetched)
         except Exception as exc:  # unreachable by design; still never the engine's problem
             self._log_once("load", "kvstore load for %s failed: %r", spec.req_id, exc)
             return set(spec.block_ids[spec.first_block :])
@@ -183,7 +219,7 @@ class WorkerHalf:
             spec = self._loader.get()
             if spec is None:
                 return
-            bad = self._load_checked(spec)
+            bad = self._load_checked(spec, "background")
             if self._layers and self._layers[0].is_cuda:
                 torch.cuda.synchronize(self._layers[0].device)  # the copies have landed
             with self._loaded_lock:
@@ -198,15 +234,74 @@ class WorkerHalf:
             self._errors.update(bad)
         return {req_id for req_id, _ in done}
 
-    def _load_one(self, spec: LoadSpec) -> set[int]:
-        bpc = self.blocks_per_chunk
+    # ---- layer by layer (load_layerwise) ---------------------------------------------
+
+    def _load_by_layer(self, specs: list[LoadSpec]) -> None:
+        self._finish_layer_loads()  # a step's job ends in that step; this is a safety net
+        blocks = [b for spec in specs for b in spec.block_ids[spec.first_block :]]
+        job = LayerLoads(len(self._layers), blocks)
+        if self._layer_jobs is None:
+            self._layer_jobs = queue.Queue()
+            threading.Thread(target=self._layer_loop, daemon=True, name="kvstore-layers").start()
+        self._layer_job = job
+        self._count("layerwise_loads", 1)
+        self._layer_jobs.put((job, specs))
+
+    def _layer_loop(self) -> None:
+        while True:
+            item = self._layer_jobs.get()
+            if item is None:
+                return
+            job, specs = item
+            try:
+                fetched = [self._fetch_decoded(spec, slot) for slot, spec in enumerate(specs)]
+                if job.write(functools.partial(self._write_layers, fetched)):
+                    for f in fetched:
+                        job.fail(self._settle(f))
+            except Exception as exc:  # unreachable by design; the blocks are recomputed
+                self._log_once("load", "kvstore layer-wise load failed: %r", exc)
+                job.fail(job.blocks)
+            finally:
+                job.finish()
+
+    def _write_layers(self, fetched: list[_Fetched], layer: int) -> None:
+        for f in fetched:
+            self._write_layer(f, layer)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Before ``layer_name``'s attention: until the step's loads wrote its layer."""
+        job, index = self._layer_job, self._layer_index.get(layer_name)
+        if job is None or index is None:
+            return
+        t0 = time.perf_counter()
+        job.wait(index + 1, self._layer_wait_s())
+        self._count("layer_wait_seconds", time.perf_counter() - t0)
+        self._count("layer_waits", 1)
+
+    def _finish_layer_loads(self) -> None:
+        """End the step's layer-wise job (every layer written, or cancelled) and take the
+        blocks it could not fill; before the saves copy blocks out, and before vLLM asks
+        for ``load_errors()``."""
+        job, self._layer_job = self._layer_job, None
+        if job is None:
+            return
+        self._errors.update(job.result(self._layer_wait_s()))
+
+    def _layer_wait_s(self) -> float:
+        # the fetch is bounded by load_timeout_s; decoding and copying take far less
+        return self.config.load_timeout_s + 5.0
+
+    # ---- one load's steps ------------------------------------------------------------
+
+    def _fetch_decoded(self, spec: LoadSpec, slot: object) -> _Fetched:
+        """Fetch and decode the stored prefix of ``spec``'s chunks; never raises (what
+        could not be fetched or decoded is missing from ``decoded``)."""
         keys = [part_key(k, self.rank, self.tp) for k in spec.keys]
-        loaded = 0
         t0 = time.perf_counter()
         decoded: list[tuple[torch.Tensor, torch.Tensor]] = []
         nbytes = 0
         try:
-            payloads = self._fetch(keys)[: len(keys)]
+            payloads = self._fetch(keys, slot)[: len(keys)]
             got, error = codec.decode_many(payloads)
             self._check_shape(got)
             decoded = got
@@ -217,33 +312,48 @@ class WorkerHalf:
             log.warning(
                 "kvstore load for %s stopped after %d chunks: %s", spec.req_id, len(decoded), exc
             )
+        ids, cuts = self._scatter_plan(len(decoded), spec)
+        return _Fetched(spec, decoded, nbytes, t0, ids, cuts)
+
+    def _write_layer(self, f: _Fetched, layer: int) -> None:
+        if not f.written or not f.ids:
+            return
         try:
-            self.scatter(decoded, spec)
-            loaded = len(decoded)
-            self.counters.loaded_bytes += nbytes
+            self._scatter_layer(layer, f.decoded, f.ids, f.cuts)
         except Exception as exc:  # none of the blocks is trusted: all are recomputed
-            log.warning("kvstore load for %s could not write its blocks: %s", spec.req_id, exc)
+            f.written = False
+            log.warning("kvstore load for %s could not write its blocks: %s", f.spec.req_id, exc)
+
+    def _settle(self, f: _Fetched) -> set[int]:
+        """Count a load whose layers were all written; the blocks it could not fill."""
+        spec, bpc = f.spec, self.blocks_per_chunk
+        loaded = len(f.decoded) if f.written else 0
         bad: set[int] = set()
-        if loaded < len(keys):
-            self.counters.load_failures += 1
+        if loaded < len(spec.keys):
+            self._count("load_failures", 1)
             bad.update(spec.block_ids[max(loaded * bpc, spec.first_block) :])
-        self.counters.loaded_chunks += loaded
-        self.counters.loaded_tokens += max(0, loaded * bpc - spec.first_block) * self.block_size
-        self.counters.load_seconds += time.perf_counter() - t0
+        if loaded:
+            self._count("loaded_bytes", f.nbytes)
+        self._count("loaded_chunks", loaded)
+        self._count("loaded_tokens", max(0, loaded * bpc - spec.first_block) * self.block_size)
+        self._count("load_seconds", time.perf_counter() - f.started)
         return bad
 
-    def _fetch(self, keys: list[bytes]) -> list:
+    def _fetch(self, keys: list[bytes], slot: object = 0) -> list:
         """Payloads of the stored prefix of ``keys``: on the store's host copied once, from
-        its shared memory into a staging buffer reused across loads; else over gRPC."""
+        its shared memory into a staging buffer of ``slot`` (one per load that may be in
+        flight at once), reused across loads; else over gRPC."""
         if not self.config.same_host:
             return self.client.get(keys, timeout_s=self.config.load_timeout_s)
         size = self._payload_bytes()
         need = len(keys) * size
-        if self._staging.numel() < need:
-            self._staging = torch.empty(need, dtype=torch.uint8)
-        dests = [self._staging[i * size : (i + 1) * size] for i in range(len(keys))]
+        staging = self._staging.get(slot)
+        if staging is None or staging.numel() < need:
+            staging = self._staging[slot] = torch.empty(need, dtype=torch.uint8)
+        dests = [staging[i * size : (i + 1) * size] for i in range(len(keys))]
         n = self.client.get_shm_into(keys, dests, timeout_s=self.config.load_timeout_s)
-        # decoded raw chunks are views of these (codec.decode): scattered before the next load
+        # decoded raw chunks are views of these (codec.decode): written before the slot's
+        # next load
         return [memoryview(d.numpy()) for d in dests[:n]]
 
     def _payload_bytes(self) -> int:
@@ -260,32 +370,43 @@ class WorkerHalf:
             raise ValueError(f"chunk shape {shape} does not match the engine's {want}")
 
     def scatter(self, decoded: list[tuple[torch.Tensor, torch.Tensor]], spec: LoadSpec) -> None:
-        """Write the decoded leading chunks of ``spec`` into its blocks: per layer, one
-        indexed copy for all of them (a copy per chunk and layer cost more than its bytes).
-        Blocks before ``spec.first_block`` (already computed) are left alone."""
+        """Write the decoded leading chunks of ``spec`` into its blocks, every layer."""
+        ids, cuts = self._scatter_plan(len(decoded), spec)
+        if ids:
+            for layer in range(len(self._layers)):
+                self._scatter_layer(layer, decoded, ids, cuts)
+
+    def _scatter_plan(self, chunks: int, spec: LoadSpec) -> tuple[list[int], list]:
+        """The blocks the leading ``chunks`` of ``spec`` fill, and which tokens of each
+        chunk go there. Blocks before ``spec.first_block`` (already computed) are left
+        alone."""
         bpc, ids, cuts = self.blocks_per_chunk, [], []
-        for j in range(len(decoded)):
+        for j in range(chunks):
             blocks = spec.block_ids[j * bpc : (j + 1) * bpc]
             skip = max(0, spec.first_block - j * bpc)
             if skip < len(blocks):
                 ids.extend(blocks[skip:])
                 cuts.append((j, slice(skip * self.block_size, len(blocks) * self.block_size)))
-        if not ids:
-            return
-        for layer, cache in enumerate(self._layers):
-            parts = [
-                (
-                    decoded[j][0][layer][:, tokens].to(cache.device, cache.dtype),
-                    decoded[j][1][layer][:, tokens].to(cache.device, cache.dtype),
-                )
-                for j, tokens in cuts
-            ]
-            self._layout.scatter_many(cache, ids, parts)
+        return ids, cuts
+
+    def _scatter_layer(self, layer: int, decoded: list, ids: list[int], cuts: list) -> None:
+        """One layer of every planned chunk in one indexed copy (a copy per chunk and layer
+        cost more than its bytes)."""
+        cache = self._layers[layer]
+        parts = [
+            (
+                decoded[j][0][layer][:, tokens].to(cache.device, cache.dtype),
+                decoded[j][1][layer][:, tokens].to(cache.device, cache.dtype),
+            )
+            for j, tokens in cuts
+        ]
+        self._layout.scatter_many(cache, ids, parts)
 
     def _heads(self) -> int:
         return self.ns.num_kv_heads // self.tp if self.ns.num_kv_heads >= self.tp else 1
 
     def load_errors(self) -> set[int]:
+        self._finish_layer_loads()
         errors, self._errors = self._errors, set()
         return errors
 
@@ -293,6 +414,7 @@ class WorkerHalf:
 
     def save(self, meta: KVStoreMetadata) -> None:
         """Copy this step's chunks out of the cache and queue them; never raises."""
+        self._finish_layer_loads()
         chunks: list[_Chunk] = []
         full = self._queue.full()
         for spec in meta.saves:
@@ -456,8 +578,10 @@ class WorkerHalf:
             return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
 
     def close(self) -> None:
-        if self._loader is not None:
-            self._loader.put(None)
+        self._finish_layer_loads()
+        for jobs in (self._loader, self._layer_jobs):
+            if jobs is not None:
+                jobs.put(None)
         self.flush(self.config.save_timeout_s)
         if self._sender is not None:
             self._queue.put(None)

@@ -127,7 +127,9 @@ def cluster(model, tmp_path_factory):
     """One store and the engines that share it: ref (no connector), A, B (raw).
 
     A saves over TCP, as from another node; B, on the store's host, loads and saves
-    through shared memory (``transport`` auto); the fp8 pair loads over TCP."""
+    through shared memory (``transport`` auto) and writes its loads a layer at a time
+    while the forward runs (``load_layerwise``, the default); the fp8 pair loads over
+    TCP."""
     work = tmp_path_factory.mktemp("cluster")
     cfg = store_config(work / "kvstore.yaml", work / "lmdb")
     store = Served([KVSTORE, "serve", "--config", str(cfg)])
@@ -181,15 +183,33 @@ def test_b_loads_a_prefix_that_a_prefilled_and_matches_recompute_exactly(cluster
     assert got["tokens"] == ref.generate(shorter)["tokens"]
 
 
+def test_several_requests_load_in_one_step_layer_by_layer_exactly(cluster):
+    """B loads three stored prefixes in one step, layer by layer during the forward, next
+    to a request that shares nothing: every output as recomputed."""
+    store, a, b, ref = cluster["store"], cluster["a"], cluster["b"], cluster["ref"]
+    prefixes = [tokens(30 + i, PREFIX) for i in range(3)]
+    with KVStoreClient(store.address) as client:
+        before = client.stats().chunks
+    a.ask({"batch": [{"prompt": p + tokens(34, 5)} for p in prefixes], "max_tokens": 1})
+    assert wait_for_chunks(store.address, before + 3 * 4) >= before + 3 * 4
+    batch = [{"prompt": p + tokens(35 + i, 20)} for i, p in enumerate(prefixes)]
+    batch.append({"prompt": tokens(39, 90)})
+    got = b.ask({"batch": batch, "max_tokens": 12})["outputs"]
+    want = ref.ask({"batch": batch, "max_tokens": 12})["outputs"]
+    assert [g["num_cached_tokens"] for g in got] == [PREFIX] * 3 + [0]
+    assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
+
+
 @pytest.fixture(scope="module")
 def more(model, cluster):
     """Started together: an fp8 pair over TCP, a raw node C that loads in the
     background (``load_async``: the request waits out of the batch while others run),
-    and a node P whose load planner wants loading a million times faster than computing."""
+    and a node P whose load planner wants loading a million times faster than computing
+    (P loads whole, before the forward: ``load_layerwise`` off)."""
     store = cluster["store"]
     fp8 = connector(store.address, "fp8", transport="tcp")
     c = connector(store.address, load_async=True)
-    p = connector(store.address, planner=True, planner_min_speedup=1e6)
+    p = connector(store.address, planner=True, planner_min_speedup=1e6, load_layerwise=False)
     engines = start_engines(model, [fp8, fp8, c, p])
     yield dict(zip(("a8", "b8", "c", "p"), engines))
     for e in engines:
