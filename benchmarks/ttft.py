@@ -13,6 +13,9 @@ processes, all started by this script, all measured in the same run:
 - (c) ``kvstore_raw``: node A (connector, codec raw) served the prefix; node B
   (connector, prefix caching on) has never seen it and loads it from the store.
 - (d) ``kvstore_fp8``: the same with a pair of fp8 nodes.
+- (c') ``kvstore_raw_whole``, with ``--whole-too``: a sixth server, like (c) but loading
+  each hit whole before the forward (``load_layerwise`` off; (c) and (d) write their
+  loads layer by layer during it, the connector's default on CPU), on the same prefixes.
 
 All servers here share the store's host, so the connector's ``auto`` transport copies
 through shared memory; ``--transport tcp`` measures what a store on another node costs.
@@ -54,6 +57,12 @@ from tests.procs import (  # noqa: E402
 )
 
 CONFIGS = ["recompute", "vllm_prefix_cache", "kvstore_raw", "kvstore_fp8"]
+
+
+def configs(args) -> list[str]:
+    return CONFIGS + (["kvstore_raw_whole"] if args.whole_too else [])
+
+
 CHUNK_TOKENS = 256
 SUFFIX = 16
 MODEL_DIR = RESULTS / "models" / "ttft-llama"
@@ -126,6 +135,8 @@ def build_model(path: Path, s: dict = SHAPE) -> Path:
 def connector(
     store: str, codec: str, transport: str = "auto", planner: bool = False, layerwise: bool = True
 ) -> dict:
+    """Node A's and B's connector; ``layerwise`` False loads each hit whole before the
+    forward (``load_layerwise`` off)."""
     return kv_transfer_config(
         store,
         codec,
@@ -185,11 +196,11 @@ class Bench(ModelBench):
         self.expected_chunks = 0
         # requests the connector's planner computed instead of loading (``--planner``)
         self.computed: dict[str, dict[int, int]] = {
-            c: dict.fromkeys(args.lengths, 0) for c in CONFIGS
+            c: dict.fromkeys(args.lengths, 0) for c in configs(args)
         }
 
     def start(self) -> dict:
-        """The store, then the five servers (started together; their start-up is mostly imports)."""
+        """The store, then the servers (five, six with ``--whole-too``; started together)."""
         args, t0 = self.args, time.monotonic()
         chunks = 8 + 2 * args.requests * sum(n // CHUNK_TOKENS for n in args.lengths)
         max_len = max(*args.lengths, 2 * CHUNK_TOKENS) + 2 * SUFFIX + 64  # warm-up uses 512
@@ -203,15 +214,9 @@ class Bench(ModelBench):
         ]
         env = {} if args.gpu else CPU_ENV
 
-        def server(name, codec=None, prefix_caching=False):
+        def server(name, codec=None, prefix_caching=False, layerwise=True):
             kv = (
-                connector(
-                    self.store.address,
-                    codec,
-                    self.args.transport,
-                    self.args.planner,
-                    not self.args.no_layerwise,
-                )
+                connector(self.store.address, codec, args.transport, args.planner, layerwise)
                 if codec
                 else None
             )
@@ -231,6 +236,8 @@ class Bench(ModelBench):
         for codec in ("raw", "fp8"):
             self.servers[f"a_{codec}"] = server(f"a_{codec}", codec)
             self.servers[f"b_{codec}"] = server(f"b_{codec}", codec, prefix_caching=True)
+        if args.whole_too:  # the same hits loaded whole, before the forward
+            self.servers["b_raw_whole"] = server("b_raw_whole", "raw", layerwise=False)
         for s in self.servers.values():
             s.wait_ready()
         return {"all_ready_s": round(time.monotonic() - t0, 1)}
@@ -291,6 +298,9 @@ class Bench(ModelBench):
                 progress.step(f"node A {codec} {length}")
                 record(f"kvstore_{codec}", f"b_{codec}", prefix + self.tokens(SUFFIX), length)
                 if codec == "raw":
+                    if self.args.whole_too:
+                        suffix = self.tokens(SUFFIX)
+                        record("kvstore_raw_whole", "b_raw_whole", prefix + suffix, length)
                     record("vllm_prefix_cache", "b_raw", prefix + self.tokens(SUFFIX), length)
                     record("recompute", "recompute", prefix + self.tokens(SUFFIX), 0)
 
@@ -325,7 +335,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for config in CONFIGS:
+    for config in result["ttft_ms"]:
         points = sorted((int(n), ms) for n, ms in result["ttft_ms"][config].items())
         xs, ys = zip(*points)
         ax.plot(xs, ys, marker="o", label=config)
@@ -367,9 +377,10 @@ def main() -> None:
         help="the connector's load planner on: node B computes hits it measures slower to load",
     )
     p.add_argument(
-        "--no-layerwise",
+        "--whole-too",
         action="store_true",
-        help="node B loads each hit whole before the forward (load_layerwise off)",
+        help="a sixth server loads the raw hits whole before the forward (load_layerwise "
+        "off): kvstore_raw_whole, next to kvstore_raw's layer-wise loads",
     )
     p.add_argument("--batched-tokens", type=int, default=2048, help="--max-num-batched-tokens")
     args = p.parse_args()
@@ -404,12 +415,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvstore-ttft-") as tmp:
         bench = Bench(args, Path(tmp))
         try:
-            print("starting the store and 5 vLLM servers ...", flush=True)
+            print(f"starting the store and {5 + args.whole_too} vLLM servers ...", flush=True)
             startup = bench.start()
             print(f"servers ready in {startup['all_ready_s']} s", flush=True)
             bench.warm_up()
-            samples = {c: {n: [] for n in args.lengths} for c in CONFIGS}
-            per_request = 2 + 4  # node A twice, then four measured configurations
+            samples = {c: {n: [] for n in args.lengths} for c in configs(args)}
+            per_request = 2 + len(samples)  # node A twice, then each measured configuration
             progress = Progress(len(args.lengths) * args.requests * per_request, "ttft")
             for length in args.lengths:
                 bench.measure(length, samples, progress)
@@ -417,9 +428,11 @@ def main() -> None:
         finally:
             bench.close()
 
-    median = {c: {str(n): statistics.median(v) for n, v in samples[c].items()} for c in CONFIGS}
-    p90 = {c: {str(n): percentile(v, 0.9) for n, v in samples[c].items()} for c in CONFIGS}
-    speedup = {c: {n: median["recompute"][n] / ms for n, ms in median[c].items()} for c in CONFIGS}
+    median = {c: {str(n): statistics.median(v) for n, v in s.items()} for c, s in samples.items()}
+    p90 = {c: {str(n): percentile(v, 0.9) for n, v in s.items()} for c, s in samples.items()}
+    speedup = {
+        c: {n: median["recompute"][n] / ms for n, ms in m.items()} for c, m in median.items()
+    }
     goal_lengths = [str(n) for n in args.lengths if n >= 4096]
     ratio = {n: median["kvstore_raw"][n] / median["recompute"][n] for n in goal_lengths}
     result = {
@@ -433,7 +446,6 @@ def main() -> None:
             c: {n: round(x, 2) for n, x in v.items()} for c, v in speedup.items()
         },
         "planner": args.planner,
-        "layerwise": not args.no_layerwise,
         "planner_computed": {
             c: {str(n): k for n, k in v.items()}
             for c, v in bench.computed.items()
