@@ -8,8 +8,10 @@ from a paged CPU cache of ``ttft.py``'s model (2 layers, 1 KV head x 64, float32
 block 32, chunk 256 tokens); a second ``WorkerHalf`` loads them into other blocks, each
 stage timed apart as the connector runs it: ``lookup`` (the scheduler's one Lookup with a
 lease), ``transfer`` (gRPC Get, or shared memory into the staging buffer), ``decode``
-(``codec.decode_many``), ``scatter`` (into the paged blocks). Cases: transport ``tcp`` or
-``shm`` x codec ``raw`` or ``fp8`` (fp8 eager, then fused). Medians of the repeats.
+(``codec.decode_many``; same-host ``raw`` chunks as one batch of views of the staging
+buffer), ``scatter`` (into the paged blocks, all whole chunks of a layer in one copy).
+Cases: transport ``tcp`` or ``shm`` x codec ``raw`` or ``fp8`` (fp8 eager, then fused).
+Medians of the repeats.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def profile(store: str, codec_name: str, transport: str, tokens: int, repeats: i
         payloads = loader._fetch(parts)
         t2 = time.perf_counter()
         decoded, _ = codec.decode_many(payloads)
+        decoded.stacked = decoded.stacked or loader._raw_stacked(0, decoded)
         t3 = time.perf_counter()
         loader.scatter(decoded, LoadSpec("p", keys, list(range(blocks)), 0))
         t4 = time.perf_counter()

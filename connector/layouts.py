@@ -141,11 +141,13 @@ class _BlockViews:
         self, kv_layer: Tensor, block_ids: BlockIds, parts: Sequence[tuple[Tensor, Tensor]]
     ) -> None:
         """``scatter`` of several K/V parts whose blocks follow one another in ``block_ids``
-        (a prefix's chunks): one staging buffer and one indexed copy for all of them."""
+        (a prefix's chunks): one staging buffer and one indexed copy for all of them. A
+        part is ``[H, tokens, D]``, or ``[m, H, T, D]`` for m chunks of T tokens stacked
+        (one copy for all of them: a copy per chunk cost more than its bytes)."""
         ids = kernel_block_ids(kv_layer, block_ids, self.block_size)
         heads, n = kv_layer.shape[1], kv_layer.shape[2]
         d = self._head_dim(kv_layer)
-        sizes = [k.shape[1] if k.dim() == 3 else -1 for k, _ in parts]
+        sizes = [_part_tokens(k) for k, _ in parts]
         if sum(sizes) != ids.numel() * n or any(t % n for t in sizes):
             raise ValueError(
                 f"K/V parts of {sizes} tokens do not fill {ids.numel()} blocks of {n} tokens"
@@ -159,13 +161,33 @@ class _BlockViews:
         k_view, v_view = self._views(blocks)
         at = 0
         for (k, v), tokens in zip(parts, sizes, strict=True):
-            _check_kv(k, v, (heads, tokens, d))
             k_part, v_part = k_view[:, at : at + tokens // n], v_view[:, at : at + tokens // n]
-            k_part.copy_(k.reshape(k_part.shape))
-            v_part.copy_(v.reshape(v_part.shape))
+            if k.dim() == 3:
+                _check_kv(k, v, (heads, tokens, d))
+                k_part.copy_(k.reshape(k_part.shape))
+                v_part.copy_(v.reshape(v_part.shape))
+            else:  # [m, H, T, D] -> [H, m, T/n, <block dims>]: chunk-major blocks
+                m, t = k.shape[0], k.shape[2]
+                for x in (k, v):
+                    if tuple(x.shape) != (m, heads, t, d) or t % n:
+                        raise ValueError(
+                            f"stacked K/V must be [chunks, {heads}, T, {d}] with T a multiple "
+                            f"of {n}, got {list(k.shape)} and {list(v.shape)}"
+                        )
+                for part, x in ((k_part, k), (v_part, v)):
+                    dst = part.unflatten(1, (m, t // n))
+                    dst.copy_(x.transpose(0, 1).reshape(heads, m, t // n, *part.shape[2:]))
             at += tokens // n
         # ... then one indexed copy into the engine's cache, in place
         kv_layer.index_copy_(0, ids, blocks)
+
+
+def _part_tokens(k: Tensor) -> int:
+    if k.dim() == 3:
+        return k.shape[1]
+    if k.dim() == 4:
+        return k.shape[0] * k.shape[2]
+    return -1
 
 
 class CpuLayout(_BlockViews):

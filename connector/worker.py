@@ -80,6 +80,7 @@ class _Fetched:
     started: float
     ids: list[int]  # cache blocks, all layers alike (``_scatter_plan``)
     cuts: list[tuple[int, slice]]
+    stacked: tuple[torch.Tensor, torch.Tensor] | None  # all chunks' K, V [n, L, H, T, D]
     written: bool = True  # False once writing a layer failed: no block of it is trusted
 
 
@@ -300,11 +301,13 @@ class WorkerHalf:
         t0 = time.perf_counter()
         decoded: list[tuple[torch.Tensor, torch.Tensor]] = []
         nbytes = 0
+        stacked = None
         try:
             payloads = self._fetch(keys, slot)[: len(keys)]
             got, error = codec.decode_many(payloads)
             self._check_shape(got)
             decoded = got
+            stacked = got.stacked or self._raw_stacked(slot, got)
             nbytes = sum(memoryview(p).nbytes for p in payloads[: len(decoded)])
             if error is not None:
                 raise error
@@ -313,13 +316,35 @@ class WorkerHalf:
                 "kvstore load for %s stopped after %d chunks: %s", spec.req_id, len(decoded), exc
             )
         ids, cuts = self._scatter_plan(len(decoded), spec)
-        return _Fetched(spec, decoded, nbytes, t0, ids, cuts)
+        return _Fetched(spec, decoded, nbytes, t0, ids, cuts, stacked)
+
+    def _raw_stacked(self, slot: object, decoded: list) -> tuple | None:
+        """Same-host ``raw`` chunks lie in the slot's staging buffer one payload apart: K
+        and V of all of them as ``[n, L, H, T, D]`` views (no copy), so that each layer is
+        written with one copy, not one per chunk. None where that does not hold."""
+        staging = self._staging.get(slot)
+        if len(decoded) < 2 or staging is None or not self.config.same_host:
+            return None
+        k0 = decoded[0][0]
+        size, count = self._payload_bytes(), len(decoded)
+        half = (size - codec.HEADER_BYTES) // 2
+        if self.config.codec != "raw" or size % k0.element_size() or half % k0.element_size():
+            return None
+        rows = staging[: count * size].view(count, size)
+        body = codec.HEADER_BYTES
+        k = rows[:, body : body + half].view(k0.dtype).view(count, *k0.shape)
+        v = rows[:, body + half : size].view(k0.dtype).view(count, *k0.shape)
+        same = all(
+            k[j].data_ptr() == kj.data_ptr() and v[j].data_ptr() == vj.data_ptr()
+            for j, (kj, vj) in enumerate(decoded)
+        )
+        return (k, v) if same else None
 
     def _write_layer(self, f: _Fetched, layer: int) -> None:
         if not f.written or not f.ids:
             return
         try:
-            self._scatter_layer(layer, f.decoded, f.ids, f.cuts)
+            self._scatter_layer(layer, f.decoded, f.ids, f.cuts, f.stacked)
         except Exception as exc:  # none of the blocks is trusted: all are recomputed
             f.written = False
             log.warning("kvstore load for %s could not write its blocks: %s", f.spec.req_id, exc)
@@ -372,9 +397,10 @@ class WorkerHalf:
     def scatter(self, decoded: list[tuple[torch.Tensor, torch.Tensor]], spec: LoadSpec) -> None:
         """Write the decoded leading chunks of ``spec`` into its blocks, every layer."""
         ids, cuts = self._scatter_plan(len(decoded), spec)
+        stacked = getattr(decoded, "stacked", None)
         if ids:
             for layer in range(len(self._layers)):
-                self._scatter_layer(layer, decoded, ids, cuts)
+                self._scatter_layer(layer, decoded, ids, cuts, stacked)
 
     def _scatter_plan(self, chunks: int, spec: LoadSpec) -> tuple[list[int], list]:
         """The blocks the leading ``chunks`` of ``spec`` fill, and which tokens of each
@@ -389,17 +415,29 @@ class WorkerHalf:
                 cuts.append((j, slice(skip * self.block_size, len(blocks) * self.block_size)))
         return ids, cuts
 
-    def _scatter_layer(self, layer: int, decoded: list, ids: list[int], cuts: list) -> None:
+    def _scatter_layer(
+        self, layer: int, decoded: list, ids: list[int], cuts: list, stacked=None
+    ) -> None:
         """One layer of every planned chunk in one indexed copy (a copy per chunk and layer
-        cost more than its bytes)."""
+        cost more than its bytes); whole chunks of a ``stacked`` batch as one part."""
         cache = self._layers[layer]
+
+        def part(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return k.to(cache.device, cache.dtype), v.to(cache.device, cache.dtype)
+
+        n_whole = 0  # trailing cuts that take whole chunks: one part from the batch
+        for _, tokens in reversed(cuts if stacked is not None else []):
+            if tokens.start or tokens.stop != self.config.chunk_tokens:
+                break
+            n_whole += 1
+        head, whole = cuts[: len(cuts) - n_whole], cuts[len(cuts) - n_whole :]
         parts = [
-            (
-                decoded[j][0][layer][:, tokens].to(cache.device, cache.dtype),
-                decoded[j][1][layer][:, tokens].to(cache.device, cache.dtype),
-            )
-            for j, tokens in cuts
+            part(decoded[j][0][layer][:, tokens], decoded[j][1][layer][:, tokens])
+            for j, tokens in head
         ]
+        if whole:
+            first, last = whole[0][0], whole[-1][0] + 1
+            parts.append(part(stacked[0][first:last, layer], stacked[1][first:last, layer]))
         self._layout.scatter_many(cache, ids, parts)
 
     def _heads(self) -> int:

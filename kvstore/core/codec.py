@@ -160,9 +160,16 @@ def decode(
     return _decode_parsed(*parse_payload(payload), device)
 
 
+class DecodedChunks(list):
+    """``decode_many``'s answer: (K, V) per chunk; where they are slices of one batch
+    (fp8, two chunks or more), ``stacked`` is that batch, K and V ``[chunks, L, H, T, D]``."""
+
+    stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
 def decode_many(
     payloads, device: torch.device | str | None = None
-) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], PayloadError | None]:
+) -> tuple[DecodedChunks, PayloadError | None]:
     """``decode`` of a load's payloads, stopping at the first that is invalid or differs
     from the first in codec, dtype or shape: the (K, V) of those before it, and the error.
 
@@ -183,7 +190,7 @@ def decode_many(
             break
         parsed.append((header, body))
     if len(parsed) < 2 or parsed[0][0].codec != "fp8":
-        return [_decode_parsed(h, b, device) for h, b in parsed], error
+        return DecodedChunks(_decode_parsed(h, b, device) for h, b in parsed), error
     header = parsed[0][0]
     layers, heads, tokens, dim = shape = header.shape
     n, k_scales = layers * heads * tokens * dim, 4 * layers * heads * dim
@@ -201,7 +208,9 @@ def decode_many(
     v_scale = stacked(2 * n + k_scales, header.body_len).view(torch.float32)
     k = _Kernels.dequantize_many(k_codes, k_scale.reshape(count, layers, heads, 1, dim), dtype)
     v = _Kernels.dequantize_many(v_codes, v_scale.reshape(count, layers, heads, tokens, 1), dtype)
-    return [(k[i], v[i]) for i in range(count)], error
+    out = DecodedChunks((k[i], v[i]) for i in range(count))
+    out.stacked = (k, v)
+    return out, error
 
 
 def _decode_parsed(
@@ -235,6 +244,7 @@ __all__ = [
     "HEADER_BYTES",
     "compile_kernels",
     "decode",
+    "DecodedChunks",
     "decode_many",
     "dtype_name",
     "encode",

@@ -16,7 +16,8 @@ from connector.layer_loads import LayerLoads
 from connector.layouts import CpuLayout
 from connector.plan import KVStoreMetadata, LoadSpec, SaveSpec
 from kvstore.client import KVStoreClient
-from kvstore.core.keys import chunk_keys
+from kvstore.core import codec
+from kvstore.core.keys import chunk_keys, part_key
 from tests.connector.test_halves_with_store import (
     BLOCK,
     CHUNK,
@@ -163,3 +164,56 @@ def test_without_load_layerwise_the_load_is_whole_before_the_forward(store_addre
 
 def layout_gather(cache, blocks):
     return CpuLayout(BLOCK, DIM).gather(cache, blocks)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_load_that_starts_inside_a_chunk_writes_exactly_its_blocks(store_address, transport):  # noqa: F811
+    """Same-host ``raw`` chunks are written from views of the staging buffer, all whole
+    chunks of a layer in one copy; the first chunk here is cut (its first block is vLLM's
+    own), so it goes apart. Over TCP, chunk by chunk. Both land exactly."""
+    src = paged_cache(num_blocks=32, seed=17)
+    saver = worker(store_address, src)
+    keys = chunk_keys(NS.digest(), list(range(9000, 9000 + 4 * CHUNK)), CHUNK)
+    saver.save(KVStoreMetadata(saves=[SaveSpec("s", keys, None, list(range(8)))]))
+    assert saver.flush(10)
+    saver.close()
+    dst = paged_cache(num_blocks=32, seed=18)
+    before = {n: t.clone() for n, t in dst.items()}
+    w = worker(store_address, dst, transport=transport)
+    fetched = w._fetch_decoded(LoadSpec("r", keys, list(range(8)), 0), "probe")
+    assert (fetched.stacked is not None) == (transport == "shm")
+    target = [30, 9, 20, 21, 22, 14, 15, 16]
+    w.load(KVStoreMetadata(loads=[LoadSpec("r", keys, target, 3)]))
+    assert w.load_errors() == set()
+    for name in LAYER_NAMES:
+        got, want = layout_gather(dst[name], target[3:]), layout_gather(src[name], range(3, 8))
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        for b in target[:3]:
+            assert torch.equal(dst[name][b], before[name][b])
+    w.close()
+
+
+def test_fp8_loads_land_as_each_chunk_decoded_alone_would(store_address):  # noqa: F811
+    src = paged_cache(num_blocks=32, seed=19)
+    saver = worker(store_address, src, codec="fp8", compile_codec=False)
+    keys = chunk_keys(NS.digest(), list(range(4000, 4000 + 3 * CHUNK)), CHUNK)
+    saver.save(KVStoreMetadata(saves=[SaveSpec("s", keys, None, list(range(6)))]))
+    assert saver.flush(10)
+    saver.close()
+    dst = paged_cache(num_blocks=32, seed=20)
+    w = worker(store_address, dst, codec="fp8", compile_codec=False)
+    target = [7, 6, 5, 4, 3, 2]
+    w.load(KVStoreMetadata(loads=[LoadSpec("r", keys, target, 1)]))
+    assert w.load_errors() == set()
+    want = paged_cache(num_blocks=32, seed=20)
+    layout = CpuLayout(BLOCK, DIM)
+    with KVStoreClient(store_address) as c:
+        payloads = c.get([part_key(k, 0, 1) for k in keys])
+    for j, payload in enumerate(payloads):  # one chunk at a time, the slow way
+        k, v = codec.decode(payload)
+        for i, name in enumerate(LAYER_NAMES):
+            layout.scatter(want[name], target[2 * j : 2 * j + 2], k[i], v[i])
+    for name in LAYER_NAMES:
+        assert torch.equal(dst[name][target[0]], paged_cache(num_blocks=32, seed=20)[name][7])
+        assert all(torch.equal(dst[name][b], want[name][b]) for b in target[1:])
+    w.close()

@@ -170,6 +170,27 @@ def test_scatter_many_writes_what_one_scatter_of_the_whole_would(case):
         layout.scatter_many(new_cache(), blocks[:2], [(k[:, : N + 1], v[:, : N + 1])] * 2)
 
 
+def test_scatter_many_takes_stacked_chunks_as_one_part(case):
+    """Chunks of 2 blocks stacked ``[chunks, H, T, D]`` (strided over chunks, as views of a
+    load's staging buffer are) after a part of one block: the same as one scatter."""
+    layout, dtype, new_cache = case
+    blocks = [4, 0, 3, 1, 5]
+    k, v = counting_kv(len(blocks) * N, dtype)
+    want, got = new_cache(), new_cache()
+    layout.scatter(want, blocks, k, v)
+    room = torch.zeros(2, 3, H, 2 * N, D, dtype=dtype)  # K, a gap, V per chunk
+    for j in range(2):
+        room[j, 0] = k[:, N + 2 * N * j : 3 * N + 2 * N * j]
+        room[j, 2] = v[:, N + 2 * N * j : 3 * N + 2 * N * j]
+    stacked = (room[:, 0], room[:, 2])
+    assert not stacked[0].is_contiguous()
+    layout.scatter_many(got, blocks, [(k[:, :N], v[:, :N]), stacked])
+    assert torch.equal(got, want)
+    narrow = (room[:, 0, :, :, : D // 2], room[:, 2, :, :, : D // 2])
+    with pytest.raises(ValueError, match="stacked K/V must be"):
+        layout.scatter_many(new_cache(), blocks[1:], [narrow])
+
+
 def test_gather_returns_a_copy_and_empty_ids_are_fine(case):
     layout, dtype, new_cache = case
     kv = new_cache()
