@@ -13,9 +13,9 @@ processes, all started by this script, all measured in the same run:
 - (c) ``kvstore_raw``: node A (connector, codec raw) served the prefix; node B
   (connector, prefix caching on) has never seen it and loads it from the store.
 - (d) ``kvstore_fp8``: the same with a pair of fp8 nodes.
-- (c') ``kvstore_raw_whole``, with ``--whole-too``: a sixth server, like (c) but loading
-  each hit whole before the forward (``load_layerwise`` off; (c) and (d) write their
-  loads layer by layer during it, the connector's default on CPU), on the same prefixes.
+- (c') ``kvstore_raw_layerwise``, with ``--layerwise-too``: a sixth server, like (c) but
+  writing each hit into the cache layer by layer during the forward (``load_layerwise``;
+  (c) and (d) load whole before it, the connector's default), on the same prefixes.
 
 All servers here share the store's host, so the connector's ``auto`` transport copies
 through shared memory; ``--transport tcp`` measures what a store on another node costs.
@@ -60,7 +60,7 @@ CONFIGS = ["recompute", "vllm_prefix_cache", "kvstore_raw", "kvstore_fp8"]
 
 
 def configs(args) -> list[str]:
-    return CONFIGS + (["kvstore_raw_whole"] if args.whole_too else [])
+    return CONFIGS + (["kvstore_raw_layerwise"] if args.layerwise_too else [])
 
 
 CHUNK_TOKENS = 256
@@ -133,10 +133,10 @@ def build_model(path: Path, s: dict = SHAPE) -> Path:
 
 
 def connector(
-    store: str, codec: str, transport: str = "auto", planner: bool = False, layerwise: bool = True
+    store: str, codec: str, transport: str = "auto", planner: bool = False, layerwise: bool = False
 ) -> dict:
-    """Node A's and B's connector; ``layerwise`` False loads each hit whole before the
-    forward (``load_layerwise`` off)."""
+    """Node A's and B's connector; ``layerwise`` writes each hit layer by layer during the
+    forward (``load_layerwise``)."""
     return kv_transfer_config(
         store,
         codec,
@@ -200,7 +200,7 @@ class Bench(ModelBench):
         }
 
     def start(self) -> dict:
-        """The store, then the servers (five, six with ``--whole-too``; started together)."""
+        """The store, then the servers (five, six with ``--layerwise-too``; started together)."""
         args, t0 = self.args, time.monotonic()
         chunks = 8 + 2 * args.requests * sum(n // CHUNK_TOKENS for n in args.lengths)
         max_len = max(*args.lengths, 2 * CHUNK_TOKENS) + 2 * SUFFIX + 64  # warm-up uses 512
@@ -214,7 +214,7 @@ class Bench(ModelBench):
         ]
         env = {} if args.gpu else CPU_ENV
 
-        def server(name, codec=None, prefix_caching=False, layerwise=True):
+        def server(name, codec=None, prefix_caching=False, layerwise=False):
             kv = (
                 connector(self.store.address, codec, args.transport, args.planner, layerwise)
                 if codec
@@ -236,8 +236,8 @@ class Bench(ModelBench):
         for codec in ("raw", "fp8"):
             self.servers[f"a_{codec}"] = server(f"a_{codec}", codec)
             self.servers[f"b_{codec}"] = server(f"b_{codec}", codec, prefix_caching=True)
-        if args.whole_too:  # the same hits loaded whole, before the forward
-            self.servers["b_raw_whole"] = server("b_raw_whole", "raw", layerwise=False)
+        if args.layerwise_too:  # the same hits written layer by layer during the forward
+            self.servers["b_raw_layerwise"] = server("b_raw_layerwise", "raw", layerwise=True)
         for s in self.servers.values():
             s.wait_ready()
         return {"all_ready_s": round(time.monotonic() - t0, 1)}
@@ -298,9 +298,9 @@ class Bench(ModelBench):
                 progress.step(f"node A {codec} {length}")
                 record(f"kvstore_{codec}", f"b_{codec}", prefix + self.tokens(SUFFIX), length)
                 if codec == "raw":
-                    if self.args.whole_too:
+                    if self.args.layerwise_too:
                         suffix = self.tokens(SUFFIX)
-                        record("kvstore_raw_whole", "b_raw_whole", prefix + suffix, length)
+                        record("kvstore_raw_layerwise", "b_raw_layerwise", prefix + suffix, length)
                     record("vllm_prefix_cache", "b_raw", prefix + self.tokens(SUFFIX), length)
                     record("recompute", "recompute", prefix + self.tokens(SUFFIX), 0)
 
@@ -377,10 +377,10 @@ def main() -> None:
         help="the connector's load planner on: node B computes hits it measures slower to load",
     )
     p.add_argument(
-        "--whole-too",
+        "--layerwise-too",
         action="store_true",
-        help="a sixth server loads the raw hits whole before the forward (load_layerwise "
-        "off): kvstore_raw_whole, next to kvstore_raw's layer-wise loads",
+        help="a sixth server writes the raw hits layer by layer during the forward "
+        "(load_layerwise): kvstore_raw_layerwise, next to kvstore_raw's whole loads",
     )
     p.add_argument("--batched-tokens", type=int, default=2048, help="--max-num-batched-tokens")
     args = p.parse_args()
@@ -415,7 +415,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvstore-ttft-") as tmp:
         bench = Bench(args, Path(tmp))
         try:
-            print(f"starting the store and {5 + args.whole_too} vLLM servers ...", flush=True)
+            print(f"starting the store and {5 + args.layerwise_too} vLLM servers ...", flush=True)
             startup = bench.start()
             print(f"servers ready in {startup['all_ready_s']} s", flush=True)
             bench.warm_up()

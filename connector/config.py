@@ -63,8 +63,10 @@ class ConnectorConfig:
     load_async: bool = False
     # a step's synchronous loads are written a layer at a time by a loader thread while
     # the forward runs, each attention layer waiting only for its own (CPU engines; on a
-    # GPU loads stay whole, before the forward)
-    load_layerwise: bool = True
+    # GPU loads stay whole, before the forward). Off by default: on the 2-core host here,
+    # paired TTFT runs showed no gain (medians within about 1 ms either way, one run 10 ms
+    # worse): the loader thread competes with the forward's threads for the cores
+    load_layerwise: bool = False
     # skip a hit that measured speeds say is slower to load than to compute (a small model,
     # a slow link: connector.planner); loads only when computing it would take at least
     # planner_min_speedup times as long as loading it. The compute estimate is a forward's

@@ -51,7 +51,7 @@ def server(tmp_path_factory):
         [KVSTORE, "serve", "--config", str(store_config(work / "s.yaml", work / "lmdb"))]
     )
     config = {
-        **kv_transfer_config(store.address, "raw", CHUNK),
+        **kv_transfer_config(store.address, "raw", CHUNK, load_layerwise=True),
         "kv_load_failure_policy": "recompute",
     }
     vllm = OpenAIServer(
@@ -97,7 +97,7 @@ def test_vllm_metrics_count_the_connectors_lookups_hits_loads_and_saves(server):
     assert after["vllm:kvstore_saved_bytes_total"] >= loaded  # it saved what it then loaded
     assert after["vllm:kvstore_save_seconds_total"] > 0
     assert after.get("vllm:kvstore_load_failures_total", 0) == 0
-    # the load was written a layer at a time (load_layerwise, the default), and each of
+    # the load was written a layer at a time (load_layerwise), and each of
     # the tiny model's two attention layers waited for its own before it ran
     steps = after["vllm:kvstore_layerwise_loads_total"]
     assert steps >= 1 and after["vllm:kvstore_layer_waits_total"] == 2 * steps

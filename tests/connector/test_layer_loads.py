@@ -110,7 +110,7 @@ def test_several_requests_load_in_one_step_layer_by_layer_exactly(store_address,
         assert c.delete([keys[2][1]]) == 1
     dst = paged_cache(num_blocks=32, seed=12)
     before = {n: t.clone() for n, t in dst.items()}
-    w = worker(store_address, dst, transport=transport)
+    w = worker(store_address, dst, transport=transport, load_layerwise=True)
     targets = [[20, 21, 22, 23], [13, 12, 11, 10], [24, 25, 26, 27]]
     w.load(KVStoreMetadata(loads=[LoadSpec(f"r{j}", keys[j], targets[j], 0) for j in range(3)]))
     layout = CpuLayout(BLOCK, DIM)
@@ -137,7 +137,7 @@ def test_loads_of_the_next_step_wait_for_none_of_this_one(store_address):  # noq
     src = paged_cache(num_blocks=32, seed=13)
     keys = save_prefixes(store_address, src, 2)
     dst = paged_cache(num_blocks=32, seed=14)
-    w = worker(store_address, dst)
+    w = worker(store_address, dst, load_layerwise=True)
     for j, blocks in enumerate([[0, 1, 2, 3], [8, 9, 10, 11]]):  # one step each
         w.load(KVStoreMetadata(loads=[LoadSpec(f"r{j}", keys[j], blocks, 0)]))
         assert w.load_errors() == set()  # the step's end: all layers in
@@ -201,7 +201,7 @@ def test_fp8_loads_land_as_each_chunk_decoded_alone_would(store_address):  # noq
     assert saver.flush(10)
     saver.close()
     dst = paged_cache(num_blocks=32, seed=20)
-    w = worker(store_address, dst, codec="fp8", compile_codec=False)
+    w = worker(store_address, dst, codec="fp8", compile_codec=False, load_layerwise=True)
     target = [7, 6, 5, 4, 3, 2]
     w.load(KVStoreMetadata(loads=[LoadSpec("r", keys, target, 1)]))
     assert w.load_errors() == set()

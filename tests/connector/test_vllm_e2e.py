@@ -128,12 +128,11 @@ def cluster(model, tmp_path_factory):
 
     A saves over TCP, as from another node; B, on the store's host, loads and saves
     through shared memory (``transport`` auto) and writes its loads a layer at a time
-    while the forward runs (``load_layerwise``, the default); the fp8 pair loads over
-    TCP."""
+    while the forward runs (``load_layerwise``); the fp8 pair loads over TCP."""
     work = tmp_path_factory.mktemp("cluster")
     cfg = store_config(work / "kvstore.yaml", work / "lmdb")
     store = Served([KVSTORE, "serve", "--config", str(cfg)])
-    a, b = connector(store.address, transport="tcp"), connector(store.address)
+    a, b = connector(store.address, transport="tcp"), connector(store.address, load_layerwise=True)
     engines = start_engines(model, [None, a, b])
     state = {"store": store, "cfg": cfg, "ref": engines[0], "a": engines[1], "b": engines[2]}
     yield state
@@ -205,11 +204,11 @@ def more(model, cluster):
     """Started together: an fp8 pair over TCP, a raw node C that loads in the
     background (``load_async``: the request waits out of the batch while others run),
     and a node P whose load planner wants loading a million times faster than computing
-    (P loads whole, before the forward: ``load_layerwise`` off)."""
+    (P loads whole, before the forward: ``load_layerwise`` off, the default)."""
     store = cluster["store"]
     fp8 = connector(store.address, "fp8", transport="tcp")
     c = connector(store.address, load_async=True)
-    p = connector(store.address, planner=True, planner_min_speedup=1e6, load_layerwise=False)
+    p = connector(store.address, planner=True, planner_min_speedup=1e6)
     engines = start_engines(model, [fp8, fp8, c, p])
     yield dict(zip(("a8", "b8", "c", "p"), engines))
     for e in engines:
