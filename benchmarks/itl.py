@@ -8,9 +8,8 @@ Usage: ``python benchmarks/itl.py [--quick] [--length 16384] [--rounds N]``. Wri
 One ``kvstore serve`` (DRAM) and three vLLM OpenAI servers running the TTFT benchmark's
 model (``benchmarks/ttft.py``: Llama-3-8B's compute-to-KV ratios, two layers): node A
 prefills each prefix and saves it; node B loads it synchronously (the load runs in the
-step that schedules the request, written layer by layer during its forward, the
-connector's default on CPU: every running request's step waits for it), node B' with
-``load_async`` (the load runs on a loader thread; the request joins the
+step that schedules the request, before its forward: every running request waits for
+it), node B' with ``load_async`` (the load runs on a loader thread; the request joins the
 batch once its blocks are full). On each B node a streaming request decodes 192 tokens;
 after its 32nd token a request with a stored prefix of ``--length`` tokens arrives.
 Every gap between two streamed tokens of the decoding request is recorded, split into
