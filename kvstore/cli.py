@@ -13,8 +13,9 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
-import time
+import threading
 from collections.abc import Sequence
 
 from kvstore import __version__
@@ -241,8 +242,12 @@ def _watch(client, args) -> int:
     redraw = sys.stdout.isatty() and not args.json
     prev = None
     shown = 0
+    # Ctrl-C sets a flag instead of raising: a KeyboardInterrupt raised inside a gRPC call
+    # can leave the channel unable to shut down, and the watch then never exits
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        while True:
+        while not stop.is_set():
             resp = client.stats()
             r = rates(prev, resp)
             if args.json:
@@ -254,9 +259,10 @@ def _watch(client, args) -> int:
             prev, shown = resp, shown + 1
             if args.count is not None and shown >= args.count:
                 return 0
-            time.sleep(args.watch)
-    except KeyboardInterrupt:
-        return 0
+            stop.wait(args.watch)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 0
 
 
 def _positive(text: str) -> float:

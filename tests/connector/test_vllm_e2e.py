@@ -182,21 +182,26 @@ def test_b_loads_a_prefix_that_a_prefilled_and_matches_recompute_exactly(cluster
     assert got["tokens"] == ref.generate(shorter)["tokens"]
 
 
-def test_several_requests_load_in_one_step_layer_by_layer_exactly(cluster):
-    """B loads three stored prefixes in one step, layer by layer during the forward, next
-    to a request that shares nothing: every output as recomputed."""
-    store, a, b, ref = cluster["store"], cluster["a"], cluster["b"], cluster["ref"]
-    prefixes = [tokens(30 + i, PREFIX) for i in range(3)]
+def three_hits_at_once(cluster, node, seed: int) -> None:
+    """Node A stores three new prefixes; ``node`` then serves a request on each at once,
+    with a fourth that shares nothing: all four as recomputed, the three from the store."""
+    store, a, ref = cluster["store"], cluster["a"], cluster["ref"]
+    prefixes = [tokens(seed + i, PREFIX) for i in range(3)]
     with KVStoreClient(store.address) as client:
         before = client.stats().chunks
-    a.ask({"batch": [{"prompt": p + tokens(34, 5)} for p in prefixes], "max_tokens": 1})
+    a.ask({"batch": [{"prompt": p + tokens(seed + 4, 5)} for p in prefixes], "max_tokens": 1})
     assert wait_for_chunks(store.address, before + 3 * 4) >= before + 3 * 4
-    batch = [{"prompt": p + tokens(35 + i, 20)} for i, p in enumerate(prefixes)]
-    batch.append({"prompt": tokens(39, 90)})
-    got = b.ask({"batch": batch, "max_tokens": 12})["outputs"]
+    batch = [{"prompt": p + tokens(seed + 5 + i, 20)} for i, p in enumerate(prefixes)]
+    batch.append({"prompt": tokens(seed + 9, 90)})
+    got = node.ask({"batch": batch, "max_tokens": 12})["outputs"]
     want = ref.ask({"batch": batch, "max_tokens": 12})["outputs"]
     assert [g["num_cached_tokens"] for g in got] == [PREFIX] * 3 + [0]
     assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
+
+
+def test_several_requests_load_in_one_step_layer_by_layer_exactly(cluster):
+    """B loads three stored prefixes in one step, layer by layer during the forward."""
+    three_hits_at_once(cluster, cluster["b"], seed=30)
 
 
 @pytest.fixture(scope="module")
@@ -234,21 +239,8 @@ def test_fp8_codec_loads_and_reports_agreement(cluster, more):
 
 
 def test_background_loads_match_recompute_exactly_with_requests_in_flight(cluster, more):
-    store, a, c, ref = cluster["store"], cluster["a"], more["c"], cluster["ref"]
-    prefixes = [tokens(40 + i, PREFIX) for i in range(3)]
-    with KVStoreClient(store.address) as client:
-        before = client.stats().chunks
-    for p in prefixes:
-        a.generate(p + tokens(50, 5), max_tokens=1)
-    assert wait_for_chunks(store.address, before + 3 * 4) >= before + 3 * 4
-    # three requests at once: each loads its own prefix in the background while the
-    # others wait or run; a fourth shares nothing and runs meanwhile
-    batch = [{"prompt": p + tokens(60 + i, 20)} for i, p in enumerate(prefixes)]
-    batch.append({"prompt": tokens(70, 90)})
-    got = c.ask({"batch": batch, "max_tokens": 12})["outputs"]
-    want = ref.ask({"batch": batch, "max_tokens": 12})["outputs"]
-    assert [g["num_cached_tokens"] for g in got] == [PREFIX] * 3 + [0]
-    assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
+    """C loads each of three prefixes in the background while the others wait or run."""
+    three_hits_at_once(cluster, more["c"], seed=40)
 
 
 def test_the_planner_computes_hits_once_it_measured_them_slower_to_load(cluster, more):
