@@ -54,19 +54,17 @@ class LoadPlanner:
             return None
         return statistics.median(self._load), statistics.median(self._compute)
 
+    def _skips_hit(self) -> bool:
+        """Both measured, and computing measured under ``min_speedup`` times loading."""
+        est = self.estimates()
+        return est is not None and est[1] < self.min_speedup * est[0]
+
     def would_load(self) -> bool:
         """What ``worth_loading`` would answer next, without counting a decision."""
-        est = self.estimates()
-        if est is None or est[1] >= self.min_speedup * est[0]:
-            return True
-        return (self._skips + 1) % EXPLORE_EVERY == 0
+        return not self._skips_hit() or (self._skips + 1) % EXPLORE_EVERY == 0
 
     def worth_loading(self) -> bool:
-        est = self.estimates()
-        if est is None:
-            return True
-        load_s, compute_s = est
-        if compute_s >= self.min_speedup * load_s:
+        if not self._skips_hit():
             return True
         self._skips += 1
         return self._skips % EXPLORE_EVERY == 0  # now and then load anyway: keep measuring

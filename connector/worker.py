@@ -71,6 +71,15 @@ class WorkerCounters:
 
 
 @dataclass
+class _Plan:
+    """Where a load's chunks go, the same for every layer (``WorkerHalf._scatter_plan``)."""
+
+    ids: list[int]  # cache blocks
+    cuts: list[tuple[int, slice]]  # chunk, tokens: written one by one
+    whole: tuple[int, int] | None  # chunks [first, last) taken whole from the stacked batch
+
+
+@dataclass
 class _Fetched:
     """A load's chunks, fetched and decoded, and where they go in the cache."""
 
@@ -78,8 +87,7 @@ class _Fetched:
     decoded: list[tuple[torch.Tensor, torch.Tensor]]
     nbytes: int
     started: float
-    ids: list[int]  # cache blocks, all layers alike (``_scatter_plan``)
-    cuts: list[tuple[int, slice]]
+    plan: _Plan
     stacked: tuple[torch.Tensor, torch.Tensor] | None  # all chunks' K, V [n, L, H, T, D]
     written: bool = True  # False once writing a layer failed: no block of it is trusted
 
@@ -271,8 +279,9 @@ class WorkerHalf:
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Before ``layer_name``'s attention: until the step's loads wrote its layer."""
-        job, index = self._layer_job, self._layer_index.get(layer_name)
-        if job is None or index is None:
+        job = self._layer_job  # None unless this step loads layer by layer
+        index = self._layer_index.get(layer_name) if job is not None else None
+        if index is None:
             return
         t0 = time.perf_counter()
         job.wait(index + 1, self._layer_wait_s())
@@ -315,8 +324,8 @@ class WorkerHalf:
             log.warning(
                 "kvstore load for %s stopped after %d chunks: %s", spec.req_id, len(decoded), exc
             )
-        ids, cuts = self._scatter_plan(len(decoded), spec)
-        return _Fetched(spec, decoded, nbytes, t0, ids, cuts, stacked)
+        plan = self._scatter_plan(len(decoded), spec, stacked is not None)
+        return _Fetched(spec, decoded, nbytes, t0, plan, stacked)
 
     def _raw_stacked(self, slot: object, decoded: list) -> tuple | None:
         """Same-host ``raw`` chunks lie in the slot's staging buffer one payload apart: K
@@ -341,10 +350,10 @@ class WorkerHalf:
         return (k, v) if same else None
 
     def _write_layer(self, f: _Fetched, layer: int) -> None:
-        if not f.written or not f.ids:
+        if not f.written or not f.plan.ids:
             return
         try:
-            self._scatter_layer(layer, f.decoded, f.ids, f.cuts, f.stacked)
+            self._scatter_layer(layer, f.decoded, f.plan, f.stacked)
         except Exception as exc:  # none of the blocks is trusted: all are recomputed
             f.written = False
             log.warning("kvstore load for %s could not write its blocks: %s", f.spec.req_id, exc)
@@ -396,16 +405,16 @@ class WorkerHalf:
 
     def scatter(self, decoded: list[tuple[torch.Tensor, torch.Tensor]], spec: LoadSpec) -> None:
         """Write the decoded leading chunks of ``spec`` into its blocks, every layer."""
-        ids, cuts = self._scatter_plan(len(decoded), spec)
         stacked = getattr(decoded, "stacked", None)
-        if ids:
+        plan = self._scatter_plan(len(decoded), spec, stacked is not None)
+        if plan.ids:
             for layer in range(len(self._layers)):
-                self._scatter_layer(layer, decoded, ids, cuts, stacked)
+                self._scatter_layer(layer, decoded, plan, stacked)
 
-    def _scatter_plan(self, chunks: int, spec: LoadSpec) -> tuple[list[int], list]:
+    def _scatter_plan(self, chunks: int, spec: LoadSpec, stacked: bool) -> _Plan:
         """The blocks the leading ``chunks`` of ``spec`` fill, and which tokens of each
-        chunk go there. Blocks before ``spec.first_block`` (already computed) are left
-        alone."""
+        chunk go there; with a ``stacked`` batch, the trailing chunks taken whole are one
+        part. Blocks before ``spec.first_block`` (already computed) are left alone."""
         bpc, ids, cuts = self.blocks_per_chunk, [], []
         for j in range(chunks):
             blocks = spec.block_ids[j * bpc : (j + 1) * bpc]
@@ -413,32 +422,32 @@ class WorkerHalf:
             if skip < len(blocks):
                 ids.extend(blocks[skip:])
                 cuts.append((j, slice(skip * self.block_size, len(blocks) * self.block_size)))
-        return ids, cuts
+        n_whole = 0  # only the first chunk may be cut
+        for _, tokens in reversed(cuts if stacked else []):
+            if tokens.start or tokens.stop != self.config.chunk_tokens:
+                break
+            n_whole += 1
+        if not n_whole:
+            return _Plan(ids, cuts, None)
+        head = cuts[: len(cuts) - n_whole]
+        return _Plan(ids, head, (cuts[len(head)][0], cuts[-1][0] + 1))
 
-    def _scatter_layer(
-        self, layer: int, decoded: list, ids: list[int], cuts: list, stacked=None
-    ) -> None:
+    def _scatter_layer(self, layer: int, decoded: list, plan: _Plan, stacked=None) -> None:
         """One layer of every planned chunk in one indexed copy (a copy per chunk and layer
-        cost more than its bytes); whole chunks of a ``stacked`` batch as one part."""
+        cost more than its bytes); the whole chunks of a ``stacked`` batch as one part."""
         cache = self._layers[layer]
 
         def part(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return k.to(cache.device, cache.dtype), v.to(cache.device, cache.dtype)
 
-        n_whole = 0  # trailing cuts that take whole chunks: one part from the batch
-        for _, tokens in reversed(cuts if stacked is not None else []):
-            if tokens.start or tokens.stop != self.config.chunk_tokens:
-                break
-            n_whole += 1
-        head, whole = cuts[: len(cuts) - n_whole], cuts[len(cuts) - n_whole :]
         parts = [
             part(decoded[j][0][layer][:, tokens], decoded[j][1][layer][:, tokens])
-            for j, tokens in head
+            for j, tokens in plan.cuts
         ]
-        if whole:
-            first, last = whole[0][0], whole[-1][0] + 1
+        if plan.whole:
+            first, last = plan.whole
             parts.append(part(stacked[0][first:last, layer], stacked[1][first:last, layer]))
-        self._layout.scatter_many(cache, ids, parts)
+        self._layout.scatter_many(cache, plan.ids, parts)
 
     def _heads(self) -> int:
         return self.ns.num_kv_heads // self.tp if self.ns.num_kv_heads >= self.tp else 1
