@@ -217,14 +217,18 @@ class NvmeConfig(_Section):
     SECTION = "nvme"
     enabled: Bool = _opt(True, "persist chunks in LMDB; the index is rebuilt from it at start")
     path: str = _opt("./data/lmdb", "LMDB directory, created with its parents")
-    map_size: Size = _size(64 * GiB, "LMDB map size: the most bytes the tier holds")
+    map_size: Size = _size(
+        0,
+        "LMDB map size: the most bytes the tier holds; 0 = fit the disk: 64GiB, or 90% of "
+        "the free space (plus what the tier holds already) where that is less",
+    )
     compression: str = _opt("zstd", "value compression: zstd | none")
     zstd_level: int = _opt(1, "zstd level, 1 (fast) to 22 (small)")
     sync: Bool = _opt(False, "fsync every commit (slower; survives power loss)")
 
     def _check(self) -> None:
         self._require(bool(self.path), "path", "must not be empty")
-        self._require(self.map_size > 0, "map_size", "must be positive")
+        self._require(self.map_size >= 0, "map_size", "must be 0 (fit the disk) or positive")
         self._one_of("compression", sorted(COMPRESSION, reverse=True))
         self._require(1 <= self.zstd_level <= 22, "zstd_level", "must be in 1..22")
 

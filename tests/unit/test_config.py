@@ -40,7 +40,7 @@ def test_embedded_defaults_are_a_valid_localhost_store_with_dram_and_lmdb():
     assert cfg.store.write_policy == "write_through" and cfg.store.eviction_policy == "lru"
     assert cfg.dram.enabled and cfg.dram.capacity_bytes == 2 * GiB
     assert cfg.dram.slot_bytes == 0  # deprecated and ignored
-    assert cfg.nvme.enabled and cfg.nvme.path == "./data/lmdb" and cfg.nvme.map_size == 64 * GiB
+    assert cfg.nvme.enabled and cfg.nvme.path == "./data/lmdb" and cfg.nvme.map_size == 0
     assert not cfg.hbm.enabled
 
 
@@ -183,7 +183,7 @@ BAD_VALUES = [
     ("dram.capacity_bytes", "1KiB", "dram.capacity_bytes must be at least 65536 B"),
     ("nvme.path", "", "must not be empty"),
     ("nvme.path", 5, "must be a string"),
-    ("nvme.map_size", 0, "must be positive"),
+    ("nvme.map_size", -1, "must be 0 (fit the disk) or positive"),
     ("nvme.compression", "lz4", "must be one of zstd, none"),
     ("nvme.zstd_level", 23, "must be in 1..22"),
     ("nvme.zstd_level", 0, "must be in 1..22"),

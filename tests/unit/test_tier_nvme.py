@@ -11,12 +11,14 @@ import pytest
 import zstandard
 
 from kvstore.core.types import ChunkRecord, InvalidArgument, KVStoreError, TierFullError
+from kvstore.server.tiers import nvme
 from kvstore.server.tiers.base import StoredChunk, Tier
 from kvstore.server.tiers.nvme import NvmeTier
 from kvstore.server.tiers.nvme_format import HEADER
 
 NS = bytes(range(32))
-MAP = 64 << 20
+MiB = 1 << 20
+MAP = 64 * MiB
 
 
 def key(i: int) -> bytes:
@@ -270,7 +272,7 @@ def test_bad_records_are_refused_before_they_reach_the_writer(tmp_path):
         NvmeTier(str(tmp_path / "other"), MAP, compression="lz4")
     with pytest.raises(InvalidArgument, match="zstd_level 99 is invalid"):
         NvmeTier(str(tmp_path / "other"), MAP, zstd_level=99)
-    with pytest.raises(InvalidArgument, match="lower nvme map_size or free disk space"):
+    with pytest.raises(InvalidArgument, match=r"does not fit.*lower nvme map_size \(0 fits it to the disk\) or free disk space"):
         NvmeTier(str(tmp_path / "other"), 1 << 60)
     tier.close()
 
@@ -333,3 +335,55 @@ def test_a_data_directory_held_by_a_live_store_is_refused_and_a_killed_one_is_no
     finally:
         holder.kill()
         holder.stdout.close()
+
+
+def _disk_with_free(monkeypatch, free: int) -> None:
+    """The tier's view of its filesystem, shrunk or grown: a test cannot make a disk of a
+    chosen size, so ``shutil.disk_usage`` as the tier calls it reports ``free`` bytes."""
+    real = nvme.shutil.disk_usage
+
+    def fake_disk_usage(path):
+        total, used, _ = real(path)
+        return type(real(path))(total, used, free)
+
+    monkeypatch.setattr(nvme.shutil, "disk_usage", fake_disk_usage)
+
+
+@pytest.mark.parametrize(
+    ("free", "expected"),
+    [
+        (1 << 40, nvme.AUTO_MAP_SIZE),  # a big disk: the whole default
+        (63_000_000_000, 56_700_000_000 // MiB * MiB),  # CI's disk: 64 GiB would not fit
+        (1 << 30, int(0.9 * (1 << 30)) // MiB * MiB),
+    ],
+)
+def test_map_size_0_fits_the_map_to_the_disk_and_the_tier_works(
+    tmp_path, monkeypatch, free, expected
+):
+    _disk_with_free(monkeypatch, free)
+    path = str(tmp_path / "db")
+    tier = NvmeTier(path, 0)
+    try:
+        assert tier.capacity_bytes == expected <= free
+        tier.write([record(1)])
+        assert tier.read([key(1)]) == [record(1).payload]
+    finally:
+        tier.close()
+
+
+def test_map_size_0_counts_what_the_tier_already_holds(tmp_path, monkeypatch):
+    path = str(tmp_path / "db")
+    tier = NvmeTier(path, MAP, compression="none")
+    tier.write([record(i, 1 << 20) for i in range(8)])
+    tier.close()
+    held = nvme._disk_room(path)[0]
+    assert held >= 8 << 20
+    _disk_with_free(monkeypatch, 1 << 30)
+    assert nvme.fit_map_size(path, 0) == (held + int(0.9 * (1 << 30))) // MiB * MiB
+
+
+def test_map_size_0_on_a_nearly_full_disk_is_a_clear_error(tmp_path, monkeypatch):
+    _disk_with_free(monkeypatch, 100 << 20)
+    with pytest.raises(InvalidArgument, match="only 104857600 B free.*nvme.map_size"):
+        NvmeTier(str(tmp_path / "db"), 0)
+

@@ -66,6 +66,10 @@ log = logging.getLogger(__name__)
 MAX_TXN_BYTES = 64 << 20
 LOCK_FILE = "kvstore.lock"
 DISK_SLACK = 4 << 20
+# nvme.map_size 0: this, or less to fit the disk (see fit_map_size)
+AUTO_MAP_SIZE = 64 << 30
+AUTO_FREE_SHARE = 0.9
+MIN_AUTO_MAP_SIZE = 256 << 20
 HEADER_BYTES = HEADER.size
 ZSTD_PIECE = 1 << 20  # compressed a piece at a time: see _compress_into
 ZSTD_SLACK = 1 << 16  # zstd's frame and block headers over the input size, generously
@@ -97,7 +101,6 @@ class NvmeTier:
         if compression not in COMPRESSION:
             raise InvalidArgument(f"nvme compression must be one of {sorted(COMPRESSION)}")
         self.path = path
-        self.capacity_bytes = map_size
         self.compression = compression
         self.corrupt_count = 0
         self._comp = COMPRESSION[compression]
@@ -113,8 +116,11 @@ class NvmeTier:
         self.read_only = not os.access(path, os.W_OK)
         if self.read_only:
             log.warning("nvme tier: %s is read-only: serving its chunks, refusing puts", path)
+            map_size = map_size or AUTO_MAP_SIZE  # the file's own size wins if larger
         else:
+            map_size = fit_map_size(path, map_size)
             _check_disk_room(path, map_size)
+        self.capacity_bytes = map_size
         self._dir_lock = _lock_data_dir(path, self.read_only)
         try:
             # readahead stays on: without it cold reads fall to a few dozen MB/s.
@@ -453,15 +459,43 @@ def _errno_of(e: Exception) -> int | None:
     return getattr(e, "errno", None)
 
 
+def _disk_room(path: str) -> tuple[int, int]:
+    """(bytes the tier's data file already holds on disk, bytes free on its filesystem)."""
+    data = os.path.join(path, "data.mdb")
+    allocated = os.stat(data).st_blocks * 512 if os.path.exists(data) else 0
+    return allocated, shutil.disk_usage(path).free
+
+
+def fit_map_size(path: str, map_size: int) -> int:
+    """The map size to open: ``map_size``, or for 0 the largest that fits the disk.
+
+    0 means AUTO_MAP_SIZE, or what the tier holds already plus AUTO_FREE_SHARE of the free
+    space where that is less (rounded down to a whole MiB); below MIN_AUTO_MAP_SIZE the disk
+    is too full to be worth a tier, and that is an error naming the free space."""
+    if map_size > 0:
+        return map_size
+    allocated, free = _disk_room(path)
+    fitted = min(AUTO_MAP_SIZE, allocated + int(free * AUTO_FREE_SHARE)) // (1 << 20) * (1 << 20)
+    if fitted < MIN_AUTO_MAP_SIZE:
+        raise InvalidArgument(
+            f"nvme tier: {path} has only {free} B free ({allocated} B already in use); "
+            f"free disk space, point nvme.path elsewhere, or set nvme.map_size explicitly"
+        )
+    if fitted < AUTO_MAP_SIZE:
+        log.info(
+            "nvme tier: map_size %d B (%.0f%% of the %d B free on %s, plus %d B in use)",
+            fitted, AUTO_FREE_SHARE * 100, free, path, allocated,
+        )
+    return fitted
+
+
 def _check_disk_room(path: str, map_size: int) -> None:
     # Refuse at start a map the disk cannot hold; a disk that fills later makes writes
     # fail with ENOSPC (TierFullError), never the process.
-    os.makedirs(path, exist_ok=True)
-    data = os.path.join(path, "data.mdb")
-    allocated = os.stat(data).st_blocks * 512 if os.path.exists(data) else 0
-    free = shutil.disk_usage(path).free
+    allocated, free = _disk_room(path)
     if map_size - allocated > free:
         raise InvalidArgument(
             f"nvme map_size={map_size} B does not fit: {path} has {free} B free "
-            f"and {allocated} B already in use; lower nvme map_size or free disk space"
+            f"and {allocated} B already in use; lower nvme map_size (0 fits it to the "
+            "disk) or free disk space"
         )
