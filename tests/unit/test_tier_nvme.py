@@ -272,7 +272,8 @@ def test_bad_records_are_refused_before_they_reach_the_writer(tmp_path):
         NvmeTier(str(tmp_path / "other"), MAP, compression="lz4")
     with pytest.raises(InvalidArgument, match="zstd_level 99 is invalid"):
         NvmeTier(str(tmp_path / "other"), MAP, zstd_level=99)
-    with pytest.raises(InvalidArgument, match=r"does not fit.*lower nvme map_size \(0 fits it to the disk\) or free disk space"):
+    fits = r"does not fit.*lower nvme map_size \(0 fits it to the disk\) or free disk space"
+    with pytest.raises(InvalidArgument, match=fits):
         NvmeTier(str(tmp_path / "other"), 1 << 60)
     tier.close()
 
@@ -386,4 +387,3 @@ def test_map_size_0_on_a_nearly_full_disk_is_a_clear_error(tmp_path, monkeypatch
     _disk_with_free(monkeypatch, 100 << 20)
     with pytest.raises(InvalidArgument, match="only 104857600 B free.*nvme.map_size"):
         NvmeTier(str(tmp_path / "db"), 0)
-

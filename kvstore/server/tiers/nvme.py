@@ -484,7 +484,11 @@ def fit_map_size(path: str, map_size: int) -> int:
     if fitted < AUTO_MAP_SIZE:
         log.info(
             "nvme tier: map_size %d B (%.0f%% of the %d B free on %s, plus %d B in use)",
-            fitted, AUTO_FREE_SHARE * 100, free, path, allocated,
+            fitted,
+            AUTO_FREE_SHARE * 100,
+            free,
+            path,
+            allocated,
         )
     return fitted
 
