@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
 
-from connector.handoff import KEY, expected_chunks, handoff_params, wants_handoff
+from connector.handoff import expected_chunks, handoff_params, is_handoff, wants_handoff
 from connector.waits import Wait
 from kvstore.core.keys import part_key
 
@@ -57,8 +56,7 @@ class NodeCoordination:
     @staticmethod
     def _is_handoff(request) -> bool:
         """The decode leg of a P/D proxy: its prompt's chunks come from the prefill node."""
-        params = getattr(request, "kv_transfer_params", None)
-        return isinstance(params, Mapping) and isinstance(params.get(KEY), Mapping)
+        return is_handoff(getattr(request, "kv_transfer_params", None))
 
     def _renew_claim(self, state) -> None:
         """A producer still computing the prompt chunks it reserved renews the claim every

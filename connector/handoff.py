@@ -10,7 +10,8 @@ engine namespace, how many full prompt chunks it saved (or found stored) and the
 the last one. The decode server's connector waits (bounded) until the store holds those
 ``n`` chunks, then loads them.
 
-Offers ``handoff_params(ns, keys, n)`` and ``expected_chunks(params, ns, keys)``. Never
+Offers ``wants_handoff(params)``, ``is_handoff(params)``, ``handoff_params(ns, keys, n)``
+and ``expected_chunks(params, ns, keys)``. Never
 uses vLLM's own keys (``do_remote_prefill`` would make vLLM report the prefill server's
 cached-token count as the decode server's), and never raises on params another
 connector wrote: they simply name nothing to wait for.
@@ -29,6 +30,12 @@ def wants_handoff(params: Mapping | None) -> bool:
     return isinstance(params, Mapping) and bool(params.get("do_remote_decode"))
 
 
+def is_handoff(params: Mapping | None) -> bool:
+    """Whether a request is the decode leg of a P/D proxy: its params carry a handoff
+    (readable or not: ``expected_chunks`` says which)."""
+    return isinstance(params, Mapping) and isinstance(params.get(KEY), Mapping)
+
+
 def handoff_params(ns: bytes, keys: Sequence[bytes], n: int) -> dict | None:
     """The ``kv_transfer_params`` a prefill node returns for ``n`` saved prompt chunks."""
     if n <= 0 or n > len(keys):
@@ -43,7 +50,7 @@ def expected_chunks(params: Mapping | None, ns: bytes, keys: Sequence[bytes]) ->
     came from an engine with the same namespace (model, chunk size, codec) and names
     the same chain (its last chunk's key is this prompt's key at that place).
     """
-    if not isinstance(params, Mapping) or not isinstance(params.get(KEY), Mapping):
+    if not is_handoff(params):
         return 0, ""
     mine = params[KEY]
     n = mine.get("chunks")

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from connector.handoff import KEY, expected_chunks, handoff_params
+from connector.handoff import KEY, expected_chunks, handoff_params, is_handoff
 from connector.scheduler import SchedulerHalf
 from kvstore.server.grpc_server import StoreServer
 from kvstore.server.store import TieredStore
@@ -120,7 +120,10 @@ def test_params_from_another_namespace_or_prompt_are_ignored(store_address):
     other_ns = handoff_params(b"\x01" * len(NS.digest()), producer_keys(PROMPT), 4)
     other_prompt = handoff_params(NS.digest(), producer_keys(list(range(9, 900))), 4)
     junk = {KEY: {"v": 99}, "do_remote_prefill": False}
-    for i, params in enumerate([other_ns, other_prompt, junk, {"remote_engine_id": None}]):
+    others = [other_ns, other_prompt, junk, {"remote_engine_id": None}, {KEY: "x"}, None]
+    # a decode leg (readable or not) is a handoff; another connector's params are not
+    assert [is_handoff(p) for p in others] == [True, True, True, False, False, False]
+    for i, params in enumerate(others[:4]):
         assert consumer.matched_tokens(with_params(f"x{i}", PROMPT, params), 0) == 0
     assert consumer.counters.waits == 0
 
