@@ -95,4 +95,5 @@ def test_a_client_maps_the_restarted_stores_region_and_unmaps_the_old(tmp_path, 
             assert (client.shm_stats.regions_mapped, client.shm_stats.dropped) == (2, 0)
             assert new in mapped_here() and old not in mapped_here()
     finally:
-        served.kill()
+        if served.proc.poll() is None:
+            served.stop()  # SIGTERM: the store removes its region (kill would leave it)
