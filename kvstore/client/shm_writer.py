@@ -11,16 +11,19 @@ room the store gave, and never writes a room whose key does not match the chunk.
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 from collections.abc import Sequence
 
 import numpy as np
 
+from kvstore.core.lanes import spread
 from kvstore.core.types import KEY_BYTES, ChunkRecord, PutResult
 from kvstore.rpc.pb import pb
 
 SHM_DIR = "/dev/shm"
+PIECE = 4 << 20  # a large chunk's copy is split so that it too can use several cores
 
 
 class _Region:
@@ -36,15 +39,26 @@ class _Region:
             os.close(fd)
         self.arr = np.frombuffer(self.map, dtype=np.uint8)
 
-    def write(self, handle: pb.ShmHandle, key: bytes, payload) -> bool:
-        src = np.frombuffer(payload, dtype=np.uint8)  # any C-contiguous buffer
-        start, end = handle.offset, handle.offset + handle.length
-        if start < KEY_BYTES or end > self.arr.nbytes or src.nbytes != handle.length:
-            return False
-        if self.arr[start - KEY_BYTES : start].tobytes() != key:
-            return False
-        np.copyto(self.arr[start:end], src)
-        return True
+    def write_all(self, rooms: Sequence[tuple[pb.ShmHandle, bytes, object]]) -> list[bool]:
+        """Copy each ``(handle, key, payload)`` into its room; False for a room that does
+        not fit the payload or holds another key (nothing is written there). The copies
+        go in pieces of at most ``PIECE`` bytes, spread over the host's cores."""
+        ok: list[bool] = []
+        pieces: list[tuple[np.ndarray, np.ndarray]] = []
+        for handle, key, payload in rooms:
+            src = np.frombuffer(payload, dtype=np.uint8)  # any C-contiguous buffer
+            start, end = handle.offset, handle.offset + handle.length
+            fits = start >= KEY_BYTES and end <= self.arr.nbytes and src.nbytes == handle.length
+            ok.append(fits and self.arr[start - KEY_BYTES : start].tobytes() == key)
+            if ok[-1]:
+                dest = self.arr[start:end]
+                pieces += [
+                    (dest[i : i + PIECE], src[i : i + PIECE]) for i in range(0, src.nbytes, PIECE)
+                ]
+        spread(
+            [functools.partial(np.copyto, d, s) for d, s in pieces], [s.nbytes for _, s in pieces]
+        )
+        return ok
 
     def close(self) -> None:
         self.arr = None
@@ -91,9 +105,10 @@ def put_same_host(client, records: Sequence[ChunkRecord], timeout_s: float | Non
     if grant.ticket:
         try:
             region = _region(client, next(h.region for h in grant.handles if h.region))
-            for rec, handle in zip(records, grant.handles):
-                if handle.region:
-                    (written if region.write(handle, rec.key, rec.payload) else by_wire).append(rec)
+            roomed = [(r, h) for r, h in zip(records, grant.handles) if h.region]
+            done = region.write_all([(h, r.key, r.payload) for r, h in roomed])
+            for (rec, _), ok in zip(roomed, done, strict=True):
+                (written if ok else by_wire).append(rec)
         except OSError:
             by_wire += [r for r, h in zip(records, grant.handles) if h.region and r not in written]
             written = []

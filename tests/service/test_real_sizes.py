@@ -18,6 +18,7 @@ from kvstore.core.types import ChunkRecord
 from kvstore.server.app import limits_of
 from kvstore.server.config import load_config
 from kvstore.server.factory import build_store
+from kvstore.server.metrics import Metrics
 from tests.chunks import chain, keys_of, payloads_of
 
 N = 8
@@ -119,3 +120,26 @@ def test_default_store_round_trips_llama3_8b_fp8_bf16_and_tiny_chunks(serve, tmp
     with KVStoreClient(served.address) as client:
         nvme = next(t for t in client.stats().tiers if t.name == "nvme")
         assert nvme.hits >= 3 * N
+
+
+def test_same_host_puts_of_llama3_8b_chunks_land_byte_for_byte(serve, tmp_path):
+    """The client's copies into shared memory go in 4 MiB pieces over several threads,
+    and the store checks large batches on several threads: every byte must still land."""
+    fp8, bf16 = llama_chains(4, seed=3)
+    tiny = chain(4, seed=4)
+    store, limits, max_message_bytes = default_store(tmp_path / "lmdb")
+    metrics = Metrics(store.stats)
+    served = serve(store, limits=limits, max_message_bytes=max_message_bytes, metrics=metrics)
+    with KVStoreClient(served.address, ClientOptions(timeout_s=120.0)) as client:
+        for records in (fp8, bf16, tiny):
+            put = client.put(records, shm=True)
+            assert (put.stored, put.rejected) == (4, []), put
+            read_tcp(client, keys_of(records), payloads_of(records))
+        assert client.stats().put_chunks == 12
+
+    def calls(method: str) -> float | None:
+        labels = {"method": method, "code": "OK"}
+        return metrics.registry.get_sample_value("kvstore_rpc_total", labels)
+
+    assert (calls("CommitShm"), calls("Put")) == (3, None)  # all of it over shared memory
+    served.server.stop()
