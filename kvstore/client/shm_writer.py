@@ -87,6 +87,15 @@ def close_region(client) -> None:
 
 
 def put_same_host(client, records: Sequence[ChunkRecord], timeout_s: float | None) -> PutResult:
+    """Put ``records`` (parents first) through the store's shared memory where it gives
+    room, then send every chunk the commit did not store over ``Put``, in order.
+
+    What goes over ``Put``: chunks given no room, rooms that could not be written (the
+    region would not map, or a room holds another key) and chunks the commit refused
+    (among them the children of a refused or unwritten chunk). ``Put``'s answer is the
+    one reported for them, so a chunk is never counted twice, and it comes after the
+    commit, so every chunk's parent is stored before it.
+    """
     req = pb.ReserveShmRequest(
         chunks=[
             pb.ShmPutChunk(
@@ -99,31 +108,26 @@ def put_same_host(client, records: Sequence[ChunkRecord], timeout_s: float | Non
         ]
     )
     grant = client._call("ReserveShm", client._reserve_shm, req, timeout_s=timeout_s)
-    dups = sum(1 for s in grant.stored if s)
-    by_wire = [r for r, h, s in zip(records, grant.handles, grant.stored) if not h.region and not s]
-    written: list[ChunkRecord] = []
+    held = {r.key for r, s in zip(records, grant.stored, strict=True) if s}
+    stored, dups = 0, len(held)
+    committed: set[bytes] = set()
     if grant.ticket:
+        roomed = [(r, h) for r, h in zip(records, grant.handles, strict=True) if h.region]
         try:
-            region = _region(client, next(h.region for h in grant.handles if h.region))
-            roomed = [(r, h) for r, h in zip(records, grant.handles) if h.region]
+            region = _region(client, roomed[0][1].region)
             done = region.write_all([(h, r.key, r.payload) for r, h in roomed])
-            for (rec, _), ok in zip(roomed, done, strict=True):
-                (written if ok else by_wire).append(rec)
         except OSError:
-            by_wire += [r for r, h in zip(records, grant.handles) if h.region and r not in written]
-            written = []
+            done = [False] * len(roomed)
             close_region(client)
+        # Committed even when nothing was written: the store refuses unwritten room
+        # (it spoils each room's header when it hands it out) and takes it back now.
         commit = pb.CommitShmRequest(ticket=grant.ticket)
         resp = client._call("CommitShm", client._commit_shm, commit, timeout_s=timeout_s)
+        refused = {r.key for r in resp.rejected}
+        committed = {r.key for (r, _), ok in zip(roomed, done) if ok and r.key not in refused}
         stored, dups = resp.stored, dups + resp.duplicates
-        rejected = [(r.key, r.reason) for r in resp.rejected]
-    else:
-        stored, rejected = 0, []
-    if by_wire:
-        rest = client.put(by_wire, timeout_s)
-        stored, dups, rejected = (
-            stored + rest.stored,
-            dups + rest.duplicates,
-            rejected + rest.rejected,
-        )
-    return PutResult(stored, dups, rejected)
+    by_wire = [r for r in records if r.key not in held and r.key not in committed]
+    if not by_wire:
+        return PutResult(stored, dups, [])
+    rest = client.put(by_wire, timeout_s)
+    return PutResult(stored + rest.stored, dups + rest.duplicates, rest.rejected)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from kvstore.client import KVStoreClient
+from kvstore.client import KVStoreClient, shm_writer
 from kvstore.core.types import ChunkRecord
 from kvstore.rpc.pb import pb
 from tests.chunks import CHUNK_COST, chain
@@ -91,3 +91,39 @@ def test_a_record_that_does_not_match_its_room_is_sent_over_put(client):
     short = ChunkRecord(rec.key, None, rec.ns, rec.payload)
     assert client.put([short], shm=True).stored == 1
     assert [bytes(p) for p in client.get([rec.key])] == [rec.payload]
+
+
+def test_room_committed_unwritten_never_publishes_the_bytes_left_in_it(client, served):
+    """Freed room keeps its last chunk's bytes. A writer given that room that commits
+    without writing (it could not map the region, say) must be refused, not have the old
+    chunk's bytes, checksum and all, published under its own key."""
+    old, new = chain(1, seed=36)[0], chain(1, seed=37)[0]
+    assert len(old.payload) == len(new.payload) and old.payload != new.payload
+    assert client.put([old], shm=True).stored == 1
+    dram = served.store.tiers[0]
+    old_at = dram._table.lookup(old.key).payload_offset
+    assert client.delete([old.key]) == 1
+    ticket, refs, _ = served.store.reserve_shm([(new.key, None, new.ns, len(new.payload))], 30.0)
+    assert refs[0].offset == old_at  # the same room, the old bytes still in it
+    result = served.store.commit_shm(ticket)
+    assert result.stored == 0 and "bad payload" in result.rejected[0][1]
+    assert client.lookup([new.key]).matched == 0
+    assert client.put([new], shm=True).stored == 1  # a real write of the room then works
+    assert [bytes(p) for p in client.get([new.key])] == [new.payload]
+
+
+def test_a_client_that_cannot_map_the_region_stores_the_right_bytes_over_put(
+    client, served, monkeypatch, tmp_path
+):
+    """The rooms it is given still hold an earlier chain's chunks (same sizes, same
+    places); it commits them unwritten, then sends everything over Put. Every chunk must
+    read back as its own bytes, counted once."""
+    earlier, records = chain(3, seed=38), chain(3, seed=39)
+    assert client.put(earlier, shm=True).stored == 3
+    assert client.delete(keys_of(earlier)) == 3
+    monkeypatch.setattr(shm_writer, "SHM_DIR", str(tmp_path))  # the region is not there
+    shm_writer.close_region(client)  # nor mapped already from the first put
+    result = client.put(records, shm=True)
+    assert (result.stored, result.duplicates, result.rejected) == (3, 0, [])
+    assert [bytes(p) for p in client.get(keys_of(records))] == payloads_of(records)
+    assert served.store.tiers[0].free_bytes == served.store.tiers[0].capacity_bytes - 3 * CHUNK_COST

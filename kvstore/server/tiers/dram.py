@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvstore.core.payload import HEADER_BYTES
 from kvstore.core.types import (
     KEY_BYTES,
     ChunkKey,
@@ -68,6 +69,11 @@ class DramTier(ExtentTierOps):
             return None
         at = alloc.pieces[0][0]
         arr[at : at + KEY_BYTES] = np.frombuffer(alloc.key, dtype=np.uint8)
+        # The room still holds whatever chunk lived there last, checksum and all: spoil
+        # its header, so that room committed without being written can never pass for
+        # a chunk (the old bytes published under the new key).
+        head = alloc.payload_offset
+        arr[head : head + min(HEADER_BYTES, alloc.length)] = 0
         self._staged[key] = alloc
         return alloc.payload_offset, alloc.length
 
