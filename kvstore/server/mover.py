@@ -38,7 +38,8 @@ class Mover:
         self.tstats = tstats
         self.last = len(self.tiers) - 1
         self._lock = lock  # the index lock
-        self._leased_garbage: list[tuple[Node, int]] = []  # (node, tier)
+        # (node, tier, its room there): bytes of deleted chunks that readers still hold
+        self._leased_garbage: list[tuple[Node, int, object]] = []
 
     def admit(self, rec: ChunkRecord) -> int:
         """Write one new chunk into the fastest tier that can make room; returns that tier."""
@@ -155,8 +156,13 @@ class Mover:
                     if not mask >> t & 1:
                         continue
                     if not tier.persistent and node.leases:
-                        self._leased_garbage.append((node, t))
-                        self.index.charge(t, tier.cost(node.size))
+                        # Out of the tier's key map now, its room kept: the key may be
+                        # stored again (in other room) before the lease ends, and that
+                        # chunk's eviction must not free the bytes this reader holds.
+                        held = tier.detach(node.key)
+                        if held is not None:
+                            self._leased_garbage.append((node, t, held))
+                            self.index.charge(t, tier.cost(node.size))
                     else:
                         doomed.setdefault(t, []).append(node.key)
         for t, keys in doomed.items():
@@ -170,12 +176,10 @@ class Mover:
         if not self._leased_garbage:
             return
         keep = []
-        for node, t in self._leased_garbage:
+        for node, t, held in self._leased_garbage:
             if node.leases and not force:
-                keep.append((node, t))
+                keep.append((node, t, held))
                 continue
             self.index.charge(t, -self.tiers[t].cost(node.size))
-            again = self.index.get(node.key)
-            if again is None or not again.in_tier(t):  # not stored there again since
-                self.tiers[t].delete([node.key])
+            self.tiers[t].release(held)  # that room only, whatever holds the key now
         self._leased_garbage = keep

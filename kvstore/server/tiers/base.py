@@ -8,6 +8,10 @@ is decided by the index (``kvstore.server.index``). Offers:
 - ``delete(keys)``: drop a batch; unknown keys are ignored.
 - ``cost(nbytes)``: the bytes of capacity one payload of ``nbytes`` occupies.
 - ``capacity_bytes``, ``close()``.
+
+Memory tiers (``persistent`` false; readers copy straight out of them under a lease)
+also offer ``detach(key)`` (delete the key, keep its room: a handle, or None) and
+``release(handle)`` (give that room back once the last reader is done).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 No I/O: it only decides which bytes of the region hold which key. Offers
 ``ExtentTable`` with ``cost(nbytes)``, ``reserve(key, nbytes)`` (an ``Allocation``
 or ``TierFullError``), ``commit(alloc)``, ``abort(alloc)``, ``lookup(key)``,
-``remove(keys)`` and ``free_bytes``; and ``ExtentTierOps``, the
+``remove(keys)``, ``detach(key)`` and ``free_bytes``; and ``ExtentTierOps``, the
 table-only methods both memory tiers share.
 
 Layout: every chunk takes ``KEY_BYTES`` for its key, then its payload, rounded
@@ -142,6 +142,12 @@ class ExtentTable:
                     for piece in alloc.pieces:
                         self._give(*piece)
 
+    def detach(self, key: ChunkKey) -> Allocation | None:
+        """Forget ``key`` but keep its extents taken: readers still hold them. The key may
+        be stored anew (in other extents) meanwhile; ``abort`` gives these back later."""
+        with self._lock:
+            return self._where.pop(key, None)
+
     def keys(self) -> list[ChunkKey]:
         return list(self._where)
 
@@ -210,6 +216,15 @@ class ExtentTierOps:
 
     def delete(self, keys: Sequence[ChunkKey]) -> None:
         self._table.remove(keys)
+
+    def detach(self, key: ChunkKey) -> Allocation | None:
+        """Delete ``key`` but keep its bytes where they are until ``release`` (a reader
+        still copies them out); storing the key again meanwhile takes other room."""
+        return self._table.detach(key)
+
+    def release(self, held: Allocation) -> None:
+        """Give back the room ``detach`` kept."""
+        self._table.abort(held)
 
     def scan(self) -> Iterator[StoredChunk]:
         return iter(())
