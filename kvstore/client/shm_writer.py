@@ -14,16 +14,19 @@ import contextlib
 import functools
 import mmap
 import os
+import time
 from collections.abc import Sequence
 
+import grpc
 import numpy as np
 
 from kvstore.core.lanes import spread
-from kvstore.core.types import KEY_BYTES, ChunkRecord, PutResult
+from kvstore.core.types import KEY_BYTES, ChunkRecord, KVStoreError, PutResult
 from kvstore.rpc.pb import pb
 
 SHM_DIR = "/dev/shm"
 PIECE = 4 << 20  # a large chunk's copy is split so that it too can use several cores
+TRUSTED_FRACTION = 0.5  # of the reservation's ttl, counted from before it was asked for
 
 
 class _Region:
@@ -39,12 +42,16 @@ class _Region:
             os.close(fd)
         self.arr = np.frombuffer(self.map, dtype=np.uint8)
 
-    def write_all(self, rooms: Sequence[tuple[pb.ShmHandle, bytes, object]]) -> list[bool]:
+    def write_all(
+        self, rooms: Sequence[tuple[pb.ShmHandle, bytes, object]], until: float
+    ) -> list[bool]:
         """Copy each ``(handle, key, payload)`` into its room; False for a room that does
-        not fit the payload or holds another key (nothing is written there). The copies
-        go in pieces of at most ``PIECE`` bytes, spread over the host's cores."""
+        not fit the payload or holds another key (nothing is written there), or whose copy
+        was not finished before ``until`` (``time.monotonic``): after that the room may
+        be another chunk's, so no piece is started. The copies go in pieces of at most
+        ``PIECE`` bytes, spread over the host's cores."""
         ok: list[bool] = []
-        pieces: list[tuple[np.ndarray, np.ndarray]] = []
+        pieces: list[tuple[int, np.ndarray, np.ndarray]] = []
         for handle, key, payload in rooms:
             src = np.frombuffer(payload, dtype=np.uint8)  # any C-contiguous buffer
             start, end = handle.offset, handle.offset + handle.length
@@ -53,17 +60,28 @@ class _Region:
             if ok[-1]:
                 dest = self.arr[start:end]
                 pieces += [
-                    (dest[i : i + PIECE], src[i : i + PIECE]) for i in range(0, src.nbytes, PIECE)
+                    (len(ok) - 1, dest[i : i + PIECE], src[i : i + PIECE])
+                    for i in range(0, src.nbytes, PIECE)
                 ]
-        spread(
-            [functools.partial(np.copyto, d, s) for d, s in pieces], [s.nbytes for _, s in pieces]
+        done = spread(
+            [functools.partial(_copy_before, d, s, until) for _, d, s in pieces],
+            [s.nbytes for _, _, s in pieces],
         )
+        for (room, _, _), copied in zip(pieces, done, strict=True):
+            ok[room] = ok[room] and copied
         return ok
 
     def close(self) -> None:
         self.arr = None
         with contextlib.suppress(BufferError):  # a view still alive: the mapping goes with it
             self.map.close()
+
+
+def _copy_before(dest: np.ndarray, src: np.ndarray, until: float) -> bool:
+    if time.monotonic() >= until:
+        return False
+    np.copyto(dest, src)
+    return True
 
 
 def _region(client, name: str) -> _Region:
@@ -107,7 +125,11 @@ def put_same_host(client, records: Sequence[ChunkRecord], timeout_s: float | Non
             for r in records
         ]
     )
+    sent = time.monotonic()
     grant = client._call("ReserveShm", client._reserve_shm, req, timeout_s=timeout_s)
+    # the room is this writer's for grant.ttl_s from some time after ``sent``; a copy is
+    # only started in the first half of that (a store too old to say: a short guess)
+    until = sent + (grant.ttl_s or 1.0) * TRUSTED_FRACTION
     held = {r.key for r, s in zip(records, grant.stored, strict=True) if s}
     stored, dups = 0, len(held)
     committed: set[bytes] = set()
@@ -115,17 +137,23 @@ def put_same_host(client, records: Sequence[ChunkRecord], timeout_s: float | Non
         roomed = [(r, h) for r, h in zip(records, grant.handles, strict=True) if h.region]
         try:
             region = _region(client, roomed[0][1].region)
-            done = region.write_all([(h, r.key, r.payload) for r, h in roomed])
+            done = region.write_all([(h, r.key, r.payload) for r, h in roomed], until)
         except OSError:
             done = [False] * len(roomed)
             close_region(client)
         # Committed even when nothing was written: the store refuses unwritten room
         # (it spoils each room's header when it hands it out) and takes it back now.
         commit = pb.CommitShmRequest(ticket=grant.ticket)
-        resp = client._call("CommitShm", client._commit_shm, commit, timeout_s=timeout_s)
-        refused = {r.key for r in resp.rejected}
-        committed = {r.key for (r, _), ok in zip(roomed, done) if ok and r.key not in refused}
-        stored, dups = resp.stored, dups + resp.duplicates
+        try:
+            resp = client._call("CommitShm", client._commit_shm, commit, timeout_s=timeout_s)
+        except KVStoreError as exc:
+            if getattr(exc, "code", None) != grpc.StatusCode.NOT_FOUND:
+                raise
+            resp = None  # the reservation lapsed first: nothing of it was stored
+        if resp is not None:
+            refused = {r.key for r in resp.rejected}
+            committed = {r.key for (r, _), ok in zip(roomed, done) if ok and r.key not in refused}
+            stored, dups = resp.stored, dups + resp.duplicates
     by_wire = [r for r in records if r.key not in held and r.key not in committed]
     if not by_wire:
         return PutResult(stored, dups, [])

@@ -77,7 +77,9 @@ class ShmRpcs(ServiceCalls):
                 else pb.ShmHandle()
                 for r in refs
             ]
-            return pb.ShmReservation(ticket=ticket or 0, handles=handles, stored=stored)
+            return pb.ShmReservation(
+                ticket=ticket or 0, handles=handles, stored=stored, ttl_s=ttl if ticket else 0.0
+            )
 
         return self._call("ReserveShm", context, run)
 

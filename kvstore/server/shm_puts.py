@@ -51,44 +51,67 @@ class SameHostPuts:
         tier = self.tiers[0]
         if not hasattr(tier, "stage"):
             return None, [None] * len(chunks), [False] * len(chunks)
+        for key, parent, _, _ in chunks:  # all checked before any room is taken
+            check_key(key)
+            if parent is not None:
+                check_key(parent, "parent")
         staged: list[ShmChunk] = []
         charged = 0
         with self._wlock:
             self._lapse_tickets()
-            for key, parent, ns, length in chunks:
-                check_key(key)
-                if parent is not None:
-                    check_key(parent, "parent")
+            try:
+                charged = self._stage_all(chunks, owner, staged, refs, stored)
+            except BaseException:
+                # an eviction that failed midway: the room staged so far goes back
+                tier.unstage([c[0] for c in staged])
                 with self._lock:
-                    node = self.index.get(key)
-                    held = node is not None and bool(owned_chain([node], owner))
-                refs.append(None)
-                stored.append(held)
-                too_big = self.max_chunk_bytes is not None and length > self.max_chunk_bytes
-                if held or too_big:
-                    continue
-                cost = tier.cost(length)
-                with self._lock:
-                    plan = self.index.plan_eviction(0, cost)
-                if plan is None:
-                    continue
-                self._mover.execute(plan)
-                try:
-                    where = tier.stage(key, length)
-                except (TierFullError, InvalidArgument):
-                    where = None
-                if where is None:
-                    continue
-                with self._lock:
-                    self.index.charge(0, cost)  # room nobody else may take meanwhile
-                charged += cost
-                staged.append((key, parent, ns, length))
-                refs[-1] = ShmRef(tier.region_name, *where)
+                    self.index.charge(0, -sum(tier.cost(c[3]) for c in staged))
+                raise
             if not staged:
                 return None, refs, stored
             ticket = next(self._ticket_ids)
             self._tickets[ticket] = _Ticket(self.index.clock() + ttl_s, staged, owner, charged)
         return ticket, refs, stored
+
+    def _stage_all(
+        self,
+        chunks: Sequence[ShmChunk],
+        owner: bytes | None,
+        staged: list[ShmChunk],
+        refs: list[ShmRef | None],
+        stored: list[bool],
+    ) -> int:
+        """Room for each chunk that is not stored yet (writer lock held); appends to
+        ``staged``, ``refs`` and ``stored`` as it goes, returns the bytes charged."""
+        tier = self.tiers[0]
+        charged = 0
+        for key, parent, ns, length in chunks:
+            with self._lock:
+                node = self.index.get(key)
+                held = node is not None and bool(owned_chain([node], owner))
+            refs.append(None)
+            stored.append(held)
+            too_big = self.max_chunk_bytes is not None and length > self.max_chunk_bytes
+            if held or too_big:
+                continue
+            cost = tier.cost(length)
+            with self._lock:
+                plan = self.index.plan_eviction(0, cost)
+            if plan is None:
+                continue
+            self._mover.execute(plan)
+            try:
+                where = tier.stage(key, length)
+            except (TierFullError, InvalidArgument):
+                where = None
+            if where is None:
+                continue
+            with self._lock:
+                self.index.charge(0, cost)  # room nobody else may take meanwhile
+            charged += cost
+            staged.append((key, parent, ns, length))
+            refs[-1] = ShmRef(tier.region_name, *where)
+        return charged
 
     def commit_shm(self, ticket: int, owner: bytes | None = None) -> PutResult:
         """Publish what the writer put in its room, validated and admitted like ``put``."""

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from kvstore.client import KVStoreClient, shm_writer
-from kvstore.core.types import ChunkRecord
+from kvstore.core.types import ChunkRecord, InvalidArgument
 from kvstore.rpc.pb import pb
+from kvstore.server.service_calls import Limits
 from tests.chunks import CHUNK_COST, chain
 from tests.service.conftest import keys_of, payloads_of
 
@@ -127,3 +130,80 @@ def test_a_client_that_cannot_map_the_region_stores_the_right_bytes_over_put(
     assert (result.stored, result.duplicates, result.rejected) == (3, 0, [])
     assert [bytes(p) for p in client.get(keys_of(records))] == payloads_of(records)
     assert served.store.tiers[0].free_bytes == served.store.tiers[0].capacity_bytes - 3 * CHUNK_COST
+
+
+def test_a_key_reserved_twice_gets_one_room_and_both_writers_store_it(client, served):
+    """Two engines saving the same shared-prefix chunk at once: the second is given no
+    room (it sends the chunk over Put), so neither room can be freed from under the other."""
+    (rec,) = chain(1, seed=40)
+    dram = served.store.tiers[0]
+    free = dram.free_bytes
+    first, refs_a, _ = served.store.reserve_shm([(rec.key, None, rec.ns, len(rec.payload))], 30.0)
+    second, refs_b, _ = served.store.reserve_shm([(rec.key, None, rec.ns, len(rec.payload))], 30.0)
+    assert refs_a[0] is not None and (second, refs_b) == (None, [None])
+    assert client.put([rec]).stored == 1  # the second writer, over Put
+    region = shm_writer._Region(dram.region_name)
+    try:
+        handle = pb.ShmHandle(offset=refs_a[0].offset, length=refs_a[0].length)
+        assert region.write_all([(handle, rec.key, rec.payload)], time.monotonic() + 30) == [True]
+    finally:
+        region.close()
+    result = served.store.commit_shm(first)
+    assert (result.stored, result.duplicates) == (0, 1)
+    assert dram.free_bytes == free - CHUNK_COST  # one copy held, the spare room back
+    assert [bytes(p) for p in client.get([rec.key])] == [rec.payload]
+
+
+def test_a_reservation_that_fails_midway_gives_back_what_it_took(served, monkeypatch):
+    """An eviction that fails on the third chunk (a failing disk, say) must not leave the
+    first two chunks' room staged and charged forever."""
+    dram = served.store.tiers[0]
+    free, used = dram.free_bytes, served.store.index.used[0]
+    records = chain(3, seed=41)
+    execute = served.store._mover.execute
+    calls = []
+
+    def failing_execute(plan):  # stands in for an eviction whose disk write fails
+        calls.append(plan)
+        if len(calls) == 3:
+            raise OSError("injected: the disk under the eviction failed")
+        return execute(plan)
+
+    monkeypatch.setattr(served.store._mover, "execute", failing_execute)
+    chunks = [(r.key, r.parent, r.ns, len(r.payload)) for r in records]
+    with pytest.raises(OSError, match="injected"):
+        served.store.reserve_shm(chunks, 30.0)
+    assert (dram.free_bytes, served.store.index.used[0]) == (free, used)
+    assert not dram._staged and not served.store._tickets
+    bad_parent = [chunks[0], (chunks[1][0], b"short", chunks[1][2], chunks[1][3])]
+    with pytest.raises(InvalidArgument, match="parent"):
+        served.store.reserve_shm(bad_parent, 30.0)
+    assert dram.free_bytes == free and not dram._staged
+
+
+def test_a_writer_too_slow_for_its_reservation_writes_nothing_and_uses_put(
+    serve, open_store, monkeypatch
+):
+    """A writer that stalls after checking its rooms' keys and before copying (swapped
+    out, stopped) finds its room lapsed and given to another chunk: it must not write
+    over that chunk, and must still store each of its own chunks, once."""
+    served = serve(open_store(), limits=Limits(default_lease_ttl_s=0.05))
+    records = chain(3, seed=42)
+    others = chain(3, seed=43)  # the same sizes: they take the lapsed room
+    copy = shm_writer.spread
+
+    def stalled_copy(calls, weights):
+        time.sleep(0.1)  # the stall: the reservation lapses meanwhile
+        with KVStoreClient(served.address) as other:
+            assert other.put(others).stored == 3  # gives back the lapsed room, takes it
+        return copy(calls, weights)
+
+    monkeypatch.setattr(shm_writer, "spread", stalled_copy)
+    dram = served.store.tiers[0]
+    with KVStoreClient(served.address) as c:
+        result = c.put(records, shm=True)
+        assert (result.stored, result.duplicates, result.rejected) == (3, 0, [])
+        assert [bytes(p) for p in c.get(keys_of(records))] == payloads_of(records)
+        assert [bytes(p) for p in c.get(keys_of(others))] == payloads_of(others)
+    assert not dram._staged
+    assert dram.free_bytes == dram.capacity_bytes - 6 * CHUNK_COST

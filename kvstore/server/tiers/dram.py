@@ -62,7 +62,9 @@ class DramTier(ExtentTierOps):
         given back by ``unstage``. ``TierFullError`` when the free bytes do not suffice.
         """
         arr = self._live()
-        alloc = self._table.reserve(check_key(key), nbytes)
+        if check_key(key) in self._staged:
+            return None  # another writer's room for it: one room per key (see unstage)
+        alloc = self._table.reserve(key, nbytes)
         if alloc is None or not alloc.contiguous:
             if alloc is not None:
                 self._table.abort(alloc)
