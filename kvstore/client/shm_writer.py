@@ -109,7 +109,8 @@ def put_same_host(client, records: Sequence[ChunkRecord], timeout_s: float | Non
     room, then send every chunk the commit did not store over ``Put``, in order.
 
     What goes over ``Put``: chunks given no room, rooms that could not be written (the
-    region would not map, or a room holds another key) and chunks the commit refused
+    region would not map, a room holds another key, or the reservation's time ran out:
+    ``ShmReservation.ttl_s``), and chunks the commit refused
     (among them the children of a refused or unwritten chunk). ``Put``'s answer is the
     one reported for them, so a chunk is never counted twice, and it comes after the
     commit, so every chunk's parent is stored before it.
