@@ -32,6 +32,8 @@ HELP = {
     "loaded_chunks": "Chunks loaded from the store",
     "loaded_bytes": "Payload bytes loaded from the store",
     "load_seconds": "Seconds spent loading (store call to the last block written)",
+    "load_fetch_seconds": "Of load_seconds, getting the bytes (shared memory or gRPC)",
+    "load_decode_seconds": "Of load_seconds, decoding them (the rest is writing the blocks)",
     "saved_bytes": "Payload bytes the store took",
     "save_seconds": "Seconds spent sending saves (background; the engine does not wait)",
     "load_failures": "Loads that failed or came back short (recomputed)",

@@ -56,6 +56,8 @@ class WorkerCounters:
     loaded_tokens: int = 0
     loaded_bytes: int = 0
     load_seconds: float = 0.0  # from asking the store to the last block written
+    load_fetch_seconds: float = 0.0  # of which getting the bytes (shared memory or gRPC)
+    load_decode_seconds: float = 0.0  # of which decoding them (the rest: into the blocks)
     load_failures: int = 0
     saved_chunks: int = 0
     saved_bytes: int = 0
@@ -313,10 +315,13 @@ class WorkerHalf:
         stacked = None
         try:
             payloads = self._fetch(keys, slot)[: len(keys)]
+            t1 = time.perf_counter()
+            self._count("load_fetch_seconds", t1 - t0)
             got, error = codec.decode_many(payloads)
             self._check_shape(got)
             decoded = got
             stacked = got.stacked or self._raw_stacked(slot, got)
+            self._count("load_decode_seconds", time.perf_counter() - t1)
             nbytes = sum(memoryview(p).nbytes for p in payloads[: len(decoded)])
             if error is not None:
                 raise error

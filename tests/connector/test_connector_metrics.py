@@ -94,6 +94,10 @@ def test_vllm_metrics_count_the_connectors_lookups_hits_loads_and_saves(server):
         "vllm:kvstore_loaded_bytes_total", 0
     )
     assert loaded > 0 and after["vllm:kvstore_load_seconds_total"] > 0
+    # the load's stages: fetch and decode are parts of its whole time
+    stages = [after[f"vllm:kvstore_load_{s}_seconds_total"] for s in ("fetch", "decode")]
+    assert all(x > 0 for x in stages)
+    assert sum(stages) <= after["vllm:kvstore_load_seconds_total"]
     assert after["vllm:kvstore_saved_bytes_total"] >= loaded  # it saved what it then loaded
     assert after["vllm:kvstore_save_seconds_total"] > 0
     assert after.get("vllm:kvstore_load_failures_total", 0) == 0
