@@ -40,6 +40,7 @@ from connector.config import ConnectorConfig
 from connector.layer_loads import LayerLoads
 from connector.plan import KVStoreMetadata, LoadSpec, SaveSpec
 from connector.planner import MIN_STEP_TOKENS
+from kvstore.client.grpc_client import ShmViews
 from kvstore.client.shards import ShardedClient, connect
 from kvstore.core import codec
 from kvstore.core.keys import Namespace, part_key
@@ -92,6 +93,7 @@ class _Fetched:
     plan: _Plan
     stacked: tuple[torch.Tensor, torch.Tensor] | None  # all chunks' K, V [n, L, H, T, D]
     written: bool = True  # False once writing a layer failed: no block of it is trusted
+    views: ShmViews | None = None  # read in place under this lease, ended in _settle
 
 
 @dataclass
@@ -264,6 +266,7 @@ class WorkerHalf:
             if item is None:
                 return
             job, specs = item
+            fetched: list[_Fetched] = []
             try:
                 fetched = [self._fetch_decoded(spec, slot) for slot, spec in enumerate(specs)]
                 if job.write(functools.partial(self._write_layers, fetched)):
@@ -273,6 +276,9 @@ class WorkerHalf:
                 self._log_once("load", "kvstore layer-wise load failed: %r", exc)
                 job.fail(job.blocks)
             finally:
+                for f in fetched:  # a cancelled job's leases end too
+                    if f.views is not None:
+                        f.views.end()
                 job.finish()
 
     def _write_layers(self, fetched: list[_Fetched], layer: int) -> None:
@@ -312,15 +318,16 @@ class WorkerHalf:
         t0 = time.perf_counter()
         decoded: list[tuple[torch.Tensor, torch.Tensor]] = []
         nbytes = 0
-        stacked = None
+        stacked = views = None
         try:
-            payloads = self._fetch(keys, slot)[: len(keys)]
+            views = self._shm_views(keys)
+            payloads = views.views if views is not None else self._fetch(keys, slot)[: len(keys)]
             t1 = time.perf_counter()
             self._count("load_fetch_seconds", t1 - t0)
             got, error = codec.decode_many(payloads)
             self._check_shape(got)
             decoded = got
-            stacked = got.stacked or self._raw_stacked(slot, got)
+            stacked = got.stacked or self._raw_stacked(slot, got, views)
             self._count("load_decode_seconds", time.perf_counter() - t1)
             nbytes = sum(memoryview(p).nbytes for p in payloads[: len(decoded)])
             if error is not None:
@@ -330,21 +337,39 @@ class WorkerHalf:
                 "kvstore load for %s stopped after %d chunks: %s", spec.req_id, len(decoded), exc
             )
         plan = self._scatter_plan(len(decoded), spec, stacked is not None)
-        return _Fetched(spec, decoded, nbytes, t0, plan, stacked)
+        return _Fetched(spec, decoded, nbytes, t0, plan, stacked, views=views)
 
-    def _raw_stacked(self, slot: object, decoded: list) -> tuple | None:
-        """Same-host ``raw`` chunks lie in the slot's staging buffer one payload apart: K
-        and V of all of them as ``[n, L, H, T, D]`` views (no copy), so that each layer is
+    def _shm_views(self, keys: list[bytes]) -> ShmViews | None:
+        """On the store's host, the stored prefix as views into its shared memory, leased
+        (read there by the decode and the copy into blocks: no copy of its own); None to
+        fetch instead (not on the host, several stores, a chunk not in shared memory)."""
+        shm_views = getattr(self.client, "shm_views", None)  # not on a ShardedClient
+        if not self.config.same_host or shm_views is None:
+            return None
+        return shm_views(keys, timeout_s=self.config.load_timeout_s)
+
+    def _raw_stacked(self, slot: object, decoded: list, views: ShmViews | None = None):
+        """Same-host ``raw`` chunks lie one stride apart, in the slot's staging buffer or
+        (read in place) in the store's region, as a chain put in one batch does: K and V
+        of all of them as ``[n, L, H, T, D]`` views (no copy), so that each layer is
         written with one copy, not one per chunk. None where that does not hold."""
-        staging = self._staging.get(slot)
-        if len(decoded) < 2 or staging is None or not self.config.same_host:
+        if len(decoded) < 2 or not self.config.same_host or self.config.codec != "raw":
             return None
-        k0 = decoded[0][0]
         size, count = self._payload_bytes(), len(decoded)
-        half = (size - codec.HEADER_BYTES) // 2
-        if self.config.codec != "raw" or size % k0.element_size() or half % k0.element_size():
+        if views is not None:
+            base, offsets = torch.frombuffer(views.region, dtype=torch.uint8), views.offsets
+        elif (base := self._staging.get(slot)) is not None:
+            offsets = [j * size for j in range(count)]
+        else:
             return None
-        rows = staging[: count * size].view(count, size)
+        stride = offsets[1] - offsets[0]
+        k0 = decoded[0][0]
+        half, width = (size - codec.HEADER_BYTES) // 2, k0.element_size()
+        if stride < size or any(b - a != stride for a, b in zip(offsets, offsets[1:count])):
+            return None
+        if any(x % width for x in (size, half, stride, offsets[0], codec.HEADER_BYTES)):
+            return None
+        rows = base.as_strided((count, size), (stride, 1), offsets[0])
         body = codec.HEADER_BYTES
         k = rows[:, body : body + half].view(k0.dtype).view(count, *k0.shape)
         v = rows[:, body + half : size].view(k0.dtype).view(count, *k0.shape)
@@ -364,9 +389,13 @@ class WorkerHalf:
             log.warning("kvstore load for %s could not write its blocks: %s", f.spec.req_id, exc)
 
     def _settle(self, f: _Fetched) -> set[int]:
-        """Count a load whose layers were all written; the blocks it could not fill."""
+        """Count a load whose layers were all written; the blocks it could not fill. A
+        load read in place in shared memory ends its lease here: chunks whose slot was
+        reused meanwhile (or all, if the lease may have lapsed) are not trusted."""
         spec, bpc = f.spec, self.blocks_per_chunk
         loaded = len(f.decoded) if f.written else 0
+        if f.views is not None:
+            loaded = min(loaded, f.views.end())
         bad: set[int] = set()
         if loaded < len(spec.keys):
             self._count("load_failures", 1)

@@ -52,6 +52,41 @@ _RETRIED = {
 }
 
 
+@dataclass
+class ShmViews:
+    """``KVStoreClient.shm_views``: ``views[i]`` is the payload of ``keys[i]`` in the
+    store's region (``region``; its offset there is ``offsets[i]``), leased until ``end``."""
+
+    client: KVStoreClient
+    batch: pb.ShmBatch
+    sent: float
+    keys: Sequence[bytes]
+    region: memoryview | None
+    views: list[memoryview]
+    ended: int | None = None
+
+    @property
+    def offsets(self) -> list[int]:
+        return [h.offset for h in self.batch.handles]
+
+    def end(self) -> int:
+        """Release the lease; how many leading views held their chunk throughout (0 when
+        the lease may have lapsed: then any slot may have been reused). Once only."""
+        if self.ended is not None:
+            return self.ended
+        good = 0
+        if self.views:
+            good = self.client._shm.unchanged(self.region, self.keys, self.batch.handles)
+            if not self.client._end_lease(self.batch, self.sent):
+                self.client._shm.stats.lease_lapsed += len(self.views)
+                good = 0
+            stats = self.client._shm.stats
+            stats.chunks += good
+            stats.dropped += len(self.views) - good
+        self.ended = good
+        return good
+
+
 class ClientError(KVStoreError):
     """A failed call: ``code`` is the gRPC status, the message is the server's."""
 
@@ -375,6 +410,28 @@ class KVStoreClient:
     def shm_stats(self) -> ShmReadStats:
         """Chunks this client took from shared memory, and why others came over TCP."""
         return self._shm.stats
+
+    def shm_views(self, keys: Sequence[bytes], timeout_s: float | None = None) -> ShmViews | None:
+        """The stored prefix of ``keys`` as views straight into the store's shared memory,
+        under a lease, nothing copied: for a reader that uses each byte once (decoding or
+        scattering it) and can take back what it did. None when any chunk of the prefix is
+        not in shared memory in one piece (nothing leased then): read it another way.
+
+        The views must be treated as read-only, and trusted only for the leading chunks
+        ``ShmViews.end()`` counts once the caller is done with them.
+        """
+        ttl = self.options.shm_lease_ttl_s or 0.0
+        req = pb.GetShmRequest(keys=keys, lease_ttl_s=ttl)
+        sent = time.monotonic()
+        batch = self._call("GetShm", self._get_shm, req, timeout_s=timeout_s)
+        got = None
+        if batch.matched and len(batch.handles) == batch.matched:
+            got = self._shm.views(keys, batch.handles)
+        if got is None:
+            if batch.lease_id:
+                self._end_lease(batch, sent)
+            return ShmViews(self, batch, sent, keys, None, []) if not batch.matched else None
+        return ShmViews(self, batch, sent, keys, *got)
 
     def get_shm_into(
         self, keys: Sequence[bytes], dests: Sequence, timeout_s: float | None = None

@@ -140,6 +140,53 @@ class ShmReader:
                 bad.add(i)
         return bad
 
+    def views(
+        self, keys: Sequence[bytes], handles: Sequence[pb.ShmHandle]
+    ) -> tuple[memoryview, list[memoryview]] | None:
+        """The region and a view of each handle's payload in it, nothing copied; None
+        unless every handle is in one mapped region and holds its key and a payload
+        header claiming its length now. The caller reads the views under the lease and
+        then asks ``unchanged`` (and whether the lease held) before trusting what it read.
+        """
+        if not handles:
+            return None
+        try:
+            region = self._region(handles[0].region)
+        except _RegionUnavailable as exc:
+            log.warning("shared memory unusable, reading over TCP: %s", exc)
+            self.stats.region_unavailable += len(handles)
+            return None
+        views = []
+        for key, handle in zip(keys, handles, strict=False):
+            end = handle.offset + handle.length
+            if handle.region != handles[0].region or handle.offset < KEY_BYTES:
+                return None
+            if end > len(region) or not self._holds(region, handle, key):
+                return None
+            views.append(region[handle.offset : end])
+        return region, views
+
+    def unchanged(
+        self, region: memoryview, keys: Sequence[bytes], handles: Sequence[pb.ShmHandle]
+    ) -> int:
+        """How many leading handles still hold their key: asked after the bytes were used
+        (a slot reused meanwhile shows another key)."""
+        for i, (key, handle) in enumerate(zip(keys, handles, strict=False)):
+            if not self._holds(region, handle, key):
+                self.stats.key_mismatch += 1
+                return i
+        return len(handles)
+
+    @staticmethod
+    def _holds(region: memoryview, handle: pb.ShmHandle, key: bytes) -> bool:
+        if bytes(region[handle.offset - KEY_BYTES : handle.offset]) != key:
+            return False
+        try:
+            parse_header(region[handle.offset : handle.offset + handle.length])
+        except PayloadError:
+            return False
+        return True
+
     def _region(self, name: str) -> memoryview:
         """A view of the whole region: while it lives, closing the mapping cannot unmap it."""
         with self._lock:
