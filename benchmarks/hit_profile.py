@@ -1,6 +1,6 @@
 """Where a store hit's time goes in the connector: lookup, transfer, decode, copy into blocks.
 
-Usage: ``python benchmarks/hit_profile.py [--quick]``. Prints one line per case, then one
+Usage: ``python benchmarks/hit_profile.py [--quick] [--paired RUNS]``. Prints one line per case, then one
 JSON object, also written to ``benchmarks/results/hit_profile.json``.
 
 A ``kvstore serve`` process (DRAM tier) holds prefixes saved by a real ``WorkerHalf``
@@ -16,7 +16,9 @@ its bytes are not in the CPU's caches (a 16K-token load is 16 MiB; the L3 here i
 repeating one prefix measured copies 2-3x faster than an engine sees).
 Cases: transport ``tcp``, ``shm_copy`` (shared memory copied into a staging buffer first,
 as the connector did before) or ``shm`` x codec ``raw`` or ``fp8`` (fp8 eager, then fused).
-Medians of the repeats.
+Medians of the repeats. ``--paired RUNS`` compares only ``shm_copy`` with ``shm`` at
+16K tokens (``--quick``: 4K), the two alternated run by run: on a noisy host the cases
+run one after the other drift apart by more than their difference.
 """
 
 from __future__ import annotations
@@ -106,14 +108,48 @@ def profile(
     return {**ms, "total": round(sum(ms.values()), 3)}
 
 
+def paired(store: str, tokens: int, rounds: int) -> dict:
+    """``shm_copy`` against ``shm`` (``raw``, then fused ``fp8``), alternated run by run in
+    one store so that the host's drift falls on both: medians of the runs' totals."""
+    out: dict[str, dict] = {}
+    for codec_name in ("raw", "fp8"):
+        if codec_name == "fp8" and not codec.compile_kernels(
+            (LAYERS, HEADS, CHUNK, DIM), torch.float32
+        ):
+            break
+        runs: dict[bool, list[dict]] = {False: [], True: []}
+        for r in range(rounds):
+            for in_place in (r % 2 == 0, r % 2 == 1):
+                runs[in_place].append(profile(store, codec_name, "shm", tokens, 7, in_place))
+        for in_place, got in runs.items():
+            name = f"{codec_name}_{'shm' if in_place else 'shm_copy'}_{tokens}"
+            out[name] = {s: round(statistics.median(p[s] for p in got), 3) for s in got[0]}
+            totals = ", ".join(f"{p['total']:.1f}" for p in got)
+            print(f"{name:<22} median total {out[name]['total']:6.2f} ms (runs: {totals})")
+    return out
+
+
 def main() -> None:
-    args = parser(__doc__.splitlines()[0]).parse_args()
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument(
+        "--paired",
+        type=int,
+        default=0,
+        metavar="RUNS",
+        help="only compare shm_copy with shm (in place), RUNS runs each, alternated",
+    )
+    args = p.parse_args()
     lengths, repeats = ([4096], 5) if args.quick else ([4096, 16384], 9)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        conf = store_config(Path(tmp) / "store.yaml", Path(tmp) / "lmdb", dram="512MiB")
+        dram = "1GiB" if args.paired else "512MiB"
+        conf = store_config(Path(tmp) / "store.yaml", Path(tmp) / "lmdb", dram=dram)
         store = Served([KVSTORE, "serve", "--config", str(conf)])
         try:
+            if args.paired:
+                results = paired(store.address, lengths[-1], args.paired)
+                emit("hit_profile", {"paired": args.paired, "cases": results}, args.out)
+                return
             for fused in (False, True):
                 if fused and not codec.compile_kernels((LAYERS, HEADS, CHUNK, DIM), torch.float32):
                     break
