@@ -1,7 +1,7 @@
 """Where a store hit's time goes in the connector: lookup, transfer, decode, copy into blocks.
 
-Usage: ``python benchmarks/hit_profile.py [--quick] [--paired RUNS]``. Prints one line per case, then one
-JSON object, also written to ``benchmarks/results/hit_profile.json``.
+Usage: ``python benchmarks/hit_profile.py [--quick] [--paired RUNS]``. Prints one line
+per case, then one JSON object, also written to ``benchmarks/results/hit_profile.json``.
 
 A ``kvstore serve`` process (DRAM tier) holds prefixes saved by a real ``WorkerHalf``
 from a paged CPU cache of ``ttft.py``'s model (2 layers, 1 KV head x 64, float32,

@@ -5,7 +5,8 @@ A random-weight Llama with 32 layers x 8 KV heads x head_dim 128 on a thin body
 32 MiB, the size a real model's chunks have, where the tiny model's are a few KiB.
 Node A prefills a two-chunk prefix into a real ``kvstore serve``; fresh node B
 loads it and must answer token for token as a reference engine without connector that
-holds the prefix in vLLM's own prefix cache (its logprobs within 1e-4), then reuse one of those chunks for a shorter shared prefix in other block ids.
+holds the prefix in vLLM's own prefix cache (its logprobs within 1e-4), then reuse one
+of those chunks for a shorter shared prefix in other block ids.
 """
 
 from __future__ import annotations
