@@ -77,12 +77,8 @@ class ShmViews:
         good = 0
         if self.views:
             good = self.client._shm.unchanged(self.region, self.keys, self.batch.handles)
-            if not self.client._end_lease(self.batch, self.sent):
-                self.client._shm.stats.lease_lapsed += len(self.views)
-                good = 0
-            stats = self.client._shm.stats
-            stats.chunks += good
-            stats.dropped += len(self.views) - good
+            held = self.client._end_lease(self.batch, self.sent)
+            good = self.client._shm.stats.count(len(self.views), good, held)
         self.ended = good
         return good
 
@@ -335,21 +331,15 @@ class KVStoreClient:
         ``Get`` finds fewer chunks than that, the count stops at the first chunk
         without good bytes.
         """
-        ttl = self.options.shm_lease_ttl_s or 0.0
-        req = pb.GetShmRequest(keys=keys, lease_ttl_s=ttl)
-        sent = time.monotonic()
-        batch = self._call("GetShm", self._get_shm, req, timeout_s=timeout_s)
+        batch, sent = self._get_shm_leased(keys, timeout_s)
         handles = batch.handles
         try:
             bad = self._shm.copy_out(keys, handles, copy)
         finally:
             held = self._end_lease(batch, sent) if handles else True
-        stats = self._shm.stats
+        self._shm.stats.count(len(handles), len(handles) - len(bad), held)
         if not held:
-            stats.lease_lapsed += len(handles)
             bad = set(range(len(handles)))
-        stats.chunks += len(handles) - len(bad)
-        stats.dropped += len(bad)
         good = [i not in bad for i in range(len(handles))]
         good += [False] * (batch.matched - len(handles))
         if not all(good):
@@ -359,6 +349,15 @@ class KVStoreClient:
                     copy(i, rest[i])
                     good[i] = True
         return good.index(False) if False in good else len(good)
+
+    def _get_shm_leased(
+        self, keys: Sequence[bytes], timeout_s: float | None
+    ) -> tuple[pb.ShmBatch, float]:
+        """GetShm under this client's lease ttl; the answer and when it was sent."""
+        ttl = self.options.shm_lease_ttl_s or 0.0
+        req = pb.GetShmRequest(keys=keys, lease_ttl_s=ttl)
+        sent = time.monotonic()
+        return self._call("GetShm", self._get_shm, req, timeout_s=timeout_s), sent
 
     def _end_lease(self, batch: pb.ShmBatch, sent: float) -> bool:
         """Release a GetShm lease; False unless the store surely held it until now.
@@ -420,10 +419,7 @@ class KVStoreClient:
         The views must be treated as read-only, and trusted only for the leading chunks
         ``ShmViews.end()`` counts once the caller is done with them.
         """
-        ttl = self.options.shm_lease_ttl_s or 0.0
-        req = pb.GetShmRequest(keys=keys, lease_ttl_s=ttl)
-        sent = time.monotonic()
-        batch = self._call("GetShm", self._get_shm, req, timeout_s=timeout_s)
+        batch, sent = self._get_shm_leased(keys, timeout_s)
         got = None
         if batch.matched and len(batch.handles) == batch.matched:
             got = self._shm.views(keys, batch.handles)

@@ -55,6 +55,16 @@ class ShmReadStats:
     region_unavailable: int = 0  # the region could not be mapped
     regions_mapped: int = 0  # a region mapped here, the first and each after a restart
 
+    def count(self, handles: int, good: int, held: bool) -> int:
+        """Count a leased batch of ``handles`` of which ``good`` held their chunk; none
+        is kept unless the lease ``held``. Returns how many are kept."""
+        if not held:
+            self.lease_lapsed += handles
+            good = 0
+        self.chunks += good
+        self.dropped += handles - good
+        return good
+
 
 def copier(dest) -> Callable[[memoryview], None]:
     """``copy(src)`` into ``dest``: a writable buffer or a contiguous CPU torch tensor.
