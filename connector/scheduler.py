@@ -23,7 +23,6 @@ its polls instead of spinning. A store that fails ends every wait: the request c
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
@@ -37,6 +36,7 @@ from connector.coordination import NodeCoordination
 from connector.identity import RequestChain, unkeyable
 from connector.plan import KVStoreMetadata, LoadSpec, SaveSpec
 from connector.planner import LoadPlanner
+from connector.releases import Releases
 from connector.waits import Wait
 from kvstore.core.keys import Namespace, part_key
 
@@ -101,6 +101,7 @@ class SchedulerHalf(NodeCoordination):
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.counters = SchedulerCounters()
         self.planner = LoadPlanner(config.planner_min_speedup) if config.planner else None
+        self._releases = Releases(lambda: self.client)  # sent off the step's thread
 
     @property
     def lookup_failures(self) -> int:
@@ -385,10 +386,12 @@ class SchedulerHalf(NodeCoordination):
         return self._handoff(request, state)
 
     def _release(self, state: _Request) -> None:
-        for lease_id in state.lease_ids:
-            with contextlib.suppress(Exception):  # otherwise the lease simply expires
-                self.client.release(lease_id)
+        self._releases.release(state.lease_ids)
         state.lease_ids.clear()
+
+    def flush_releases(self, timeout_s: float | None = None) -> bool:
+        """Wait until every lease this half ended was released at the store."""
+        return self._releases.flush(timeout_s)
 
     def _log_once(self, kind: str, msg: str, *args) -> None:
         if kind not in self._logged:
@@ -396,6 +399,7 @@ class SchedulerHalf(NodeCoordination):
             log.warning(msg + " (logged once; see the connector's counters)", *args)
 
     def close(self) -> None:
+        self._releases.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
         if self._client is not None:

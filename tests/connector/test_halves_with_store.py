@@ -22,6 +22,7 @@ from kvstore.core.keys import Namespace, chunk_keys
 from kvstore.server.grpc_server import StoreServer
 from kvstore.server.store import TieredStore
 from kvstore.server.tiers.dram import DramTier
+from tests.proxy import FaultyProxy
 
 BLOCK, CHUNK, LAYERS, HEADS, DIM = 32, 64, 2, 2, 32
 NS = Namespace("tiny", "r0", LAYERS, HEADS, DIM, CHUNK, "raw", salt="kv_dtype=float32")
@@ -147,8 +148,36 @@ def test_scheduler_reports_whole_stored_chunks_and_leaves_a_token(store_address)
         assert client.stats().active_leases == 2  # r1 and r2 hold theirs
         sched.finished(request("r1", tokens))
         sched.finished(request("r2", tokens))
+        assert sched.flush_releases(5)  # sent by the half's release thread
         assert client.stats().active_leases == 0
     sched.close()
+
+
+def test_a_release_the_store_has_not_answered_does_not_hold_up_the_step(store_address):
+    """vLLM ends a request's leases in the step it finishes, before that step's tokens go
+    out: the Release is sent by the half's own thread, never waited for there."""
+    tokens = list(range(900, 900 + 3 * CHUNK))
+    keys = chunk_keys(NS.digest(), tokens, CHUNK)
+    w = worker(store_address, paged_cache())
+    w.save(KVStoreMetadata(saves=[SaveSpec("a", keys, None, list(range(6)))]))
+    w.flush(10)
+    proxy = FaultyProxy(int(store_address.rsplit(":", 1)[1]))
+    sched = SchedulerHalf(config(f"127.0.0.1:{proxy.port}", lookup_timeout_s=30), NS, BLOCK)
+    try:
+        assert sched.matched_tokens(request("r1", tokens), 0) == 2 * CHUNK
+        proxy.mode = "stall"  # the store's answers are held back from here on
+        sched.finished(request("r1", tokens))  # returns: a synchronous Release would hang
+        assert not sched.flush_releases(0.5), "the Release was answered through a stall"
+        with KVStoreClient(store_address) as client:
+            assert client.stats().active_leases == 1
+            proxy.mode = "pass"  # the held Release goes on
+            assert sched.flush_releases(10)
+            assert client.stats().active_leases == 0
+    finally:
+        proxy.mode = "pass"
+        sched.close()
+        proxy.close()
+        w.close()
 
 
 def test_scheduler_gives_zero_quickly_when_the_store_is_down():
