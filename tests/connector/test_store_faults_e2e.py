@@ -17,7 +17,14 @@ import pytest
 import yaml
 
 from tests.certs import make_pki
-from tests.connector.test_vllm_e2e import PREFIX, connector, start_engines, tokens
+from tests.connector.test_vllm_e2e import (
+    PREFIX,
+    RECONNECT_S,
+    close_engines,
+    connector,
+    start_engines,
+    tokens,
+)
 from tests.procs import KVSTORE, Served, free_port, store_config, wait_for_chunks
 from tests.proxy import FaultyProxy
 
@@ -25,7 +32,6 @@ pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 TOKEN = "tok-engines-6a1d93c4"
-RECONNECT_S = 1.5
 SHARED = tokens(40, PREFIX)
 
 
@@ -73,8 +79,7 @@ def rig(model, tmp_path_factory):
         state.update(zip(("ref", "a", "b"), engines))
         yield state
     finally:
-        for e in engines:
-            e.close()
+        close_engines(engines)
         proxy.close()
         if state["store"].proc.poll() is None:
             state["store"].stop()

@@ -4,8 +4,9 @@ Node A prefills a prompt; node B, fresh, serves the same prefix with another
 suffix and loads the prefix from the store instead of computing it. Its greedy
 output must equal a reference engine without any connector, token for token
 (``raw``). A shorter shared prefix checks that KV landed in the right blocks.
-Then the store dies (B recomputes), restarts with its LMDB (fresh node C still
-hits), and a bad connector config stops an engine from starting.
+Then the store dies (B recomputes), restarts with its LMDB on its port (node C, which
+never saw the prefix, hits without a restart), and a bad connector config stops an
+engine from starting.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tests.procs import (
     KVSTORE,
     ROOT,
     Served,
+    free_port,
     kv_transfer_config,
     store_config,
     wait_for_chunks,
@@ -37,6 +39,7 @@ DRIVER = str(Path(__file__).with_name("engine_driver.py"))
 MARK = "@@engine "
 CHUNK = 64
 PREFIX = 4 * CHUNK  # four chunks
+RECONNECT_S = 1.5
 
 
 class Engine:
@@ -87,7 +90,8 @@ class Engine:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.stdin.close()
+            if not self.proc.stdin.closed:
+                self.proc.stdin.close()
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
@@ -104,6 +108,15 @@ def start_engines(
         info = e.ready()
         assert "ready" in info, info
     return engines
+
+
+def close_engines(engines: list[Engine]) -> None:
+    """All are told to shut down at once, then each is waited for."""
+    for e in engines:
+        if e.proc.poll() is None and not e.proc.stdin.closed:
+            e.proc.stdin.close()
+    for e in engines:
+        e.close()
 
 
 def connector(address: str, codec: str = "raw", chunk_tokens: int = CHUNK, **extra) -> dict:
@@ -131,13 +144,14 @@ def cluster(model, tmp_path_factory):
     while the forward runs (``load_layerwise``); the fp8 pair loads over TCP."""
     work = tmp_path_factory.mktemp("cluster")
     cfg = store_config(work / "kvstore.yaml", work / "lmdb")
-    store = Served([KVSTORE, "serve", "--config", str(cfg)])
+    # a fixed port: the store restarted later is found again by the running engines
+    argv = [KVSTORE, "serve", "--config", str(cfg), "--server.listen", f"127.0.0.1:{free_port()}"]
+    store = Served(argv)
     a, b = connector(store.address, transport="tcp"), connector(store.address, load_layerwise=True)
     engines = start_engines(model, [None, a, b])
-    state = {"store": store, "cfg": cfg, "ref": engines[0], "a": engines[1], "b": engines[2]}
+    state = {"store": store, "argv": argv, "ref": engines[0], "a": engines[1], "b": engines[2]}
     yield state
-    for e in engines:
-        e.close()
+    close_engines(engines)
     if state["store"].proc.poll() is None:
         state["store"].stop()
 
@@ -216,8 +230,7 @@ def more(model, cluster):
     p = connector(store.address, planner=True, planner_min_speedup=1e6)
     engines = start_engines(model, [fp8, fp8, c, p])
     yield dict(zip(("a8", "b8", "c", "p"), engines))
-    for e in engines:
-        e.close()
+    close_engines(engines)
 
 
 def test_fp8_codec_loads_and_reports_agreement(cluster, more):
@@ -274,17 +287,15 @@ def test_a_dead_store_means_recompute_not_a_crash(cluster):
     assert cluster["b"].proc.poll() is None
 
 
-def test_a_restarted_store_still_serves_a_fresh_node(model, cluster):
-    store = Served([KVSTORE, "serve", "--config", str(cluster["cfg"])])
-    cluster["store"] = store
-    (c,) = start_engines(model, [connector(store.address)])
-    try:
-        prompt = PREFIX_TOKENS + tokens(6, 20)
-        got = c.generate(prompt)
-        assert got["num_cached_tokens"] == PREFIX
-        assert got["tokens"] == cluster["ref"].generate(prompt)["tokens"]
-    finally:
-        c.close()
+def test_a_restarted_store_serves_what_it_held_to_a_node_that_never_saw_it(cluster, more):
+    """The store comes back on its port with its LMDB; node C, running all along with the
+    dead store's shared memory mapped and never having seen this prefix, loads it."""
+    cluster["store"] = Served(cluster["argv"])
+    time.sleep(RECONNECT_S)  # the client's reconnect backoff is capped at 1 s
+    prompt = PREFIX_TOKENS + tokens(6, 20)
+    got = more["c"].generate(prompt)
+    assert got["num_cached_tokens"] == PREFIX
+    assert got["tokens"] == cluster["ref"].generate(prompt)["tokens"]
 
 
 def test_bad_connector_config_stops_the_engine_naming_the_key(model):

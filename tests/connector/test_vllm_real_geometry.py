@@ -27,7 +27,13 @@ from tests.procs import KVSTORE, ROOT, Served, store_config, wait_for_chunks
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-from tests.connector.test_vllm_e2e import DRIVER, Engine, connector, tokens  # noqa: E402
+from tests.connector.test_vllm_e2e import (  # noqa: E402
+    DRIVER,
+    Engine,
+    close_engines,
+    connector,
+    tokens,
+)
 
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
 CHUNK = 256
@@ -104,10 +110,7 @@ def cluster(model, tmp_path_factory):
             assert "ready" in info, info
         yield {"store": store, "ref": engines[0], "a": engines[1], "b": engines[2]}
     finally:
-        for e in engines:  # all shut down at once, then each is waited for
-            e.proc.stdin.close()
-        for e in engines:
-            e.close()
+        close_engines(engines)
         store.stop()
 
 

@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 
 from kvstore.client import KVStoreClient
+from kvstore.server.tiers.shm_region import reclaim_stale
 from tests.connector.store_proxy import StoreProxy
-from tests.connector.test_vllm_e2e import start_engines
+from tests.connector.test_vllm_e2e import close_engines, start_engines
 from tests.procs import KVSTORE, Served, kv_transfer_config, store_config, wait_for_chunks
 
 pytest.importorskip("vllm")
@@ -63,13 +64,12 @@ def traffic(model, tmp_path_factory):
     conn["kv_load_failure_policy"] = "recompute"  # as the README's examples set it
     ref, node = start_engines(model, [None, conn], ENGINE)
     yield {"store": store, "proxy": proxy, "ref": ref, "node": node, "model": model}
-    for e in (ref, node):
-        e.proc.stdin.close()
-    for e in (ref, node):
-        e.close()
+    close_engines([ref, node])
     proxy.close()
     if store.proc.poll() is None:
         store.stop()
+    else:  # the last test killed it: reclaim its region as the next store to start would
+        reclaim_stale()
 
 
 def store_hits(address: str) -> int:
