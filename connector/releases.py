@@ -33,7 +33,7 @@ class Releases:
             self._pending += len(ids)
             if self._thread is None:
                 self._thread = threading.Thread(
-                    target=self._loop, daemon=True, name="kvstore-release"
+                    target=self._loop, daemon=True, name="kvstore-lease-end"
                 )
                 self._thread.start()
         for lease_id in ids:
