@@ -36,7 +36,6 @@ from connector.coordination import NodeCoordination
 from connector.identity import RequestChain, unkeyable
 from connector.plan import KVStoreMetadata, LoadSpec, SaveSpec
 from connector.planner import LoadPlanner
-from connector.releases import Releases
 from connector.waits import Wait
 from kvstore.core.keys import Namespace, part_key
 
@@ -101,7 +100,6 @@ class SchedulerHalf(NodeCoordination):
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.counters = SchedulerCounters()
         self.planner = LoadPlanner(config.planner_min_speedup) if config.planner else None
-        self._releases = Releases(lambda: self.client)  # sent off the step's thread
 
     @property
     def lookup_failures(self) -> int:
@@ -386,12 +384,15 @@ class SchedulerHalf(NodeCoordination):
         return self._handoff(request, state)
 
     def _release(self, state: _Request) -> None:
-        self._releases.release(state.lease_ids)
+        # never waited for: vLLM frees a finished request before that step's tokens go
+        # out, so a Release here would add a round trip to a one-token request's TTFT
+        for lease_id in state.lease_ids:
+            self.client.release_later(lease_id)
         state.lease_ids.clear()
 
     def flush_releases(self, timeout_s: float | None = None) -> bool:
         """Wait until every lease this half ended was released at the store."""
-        return self._releases.flush(timeout_s)
+        return self._client is None or self._client.wait_releases(timeout_s)
 
     def _log_once(self, kind: str, msg: str, *args) -> None:
         if kind not in self._logged:
@@ -399,7 +400,6 @@ class SchedulerHalf(NodeCoordination):
             log.warning(msg + " (logged once; see the connector's counters)", *args)
 
     def close(self) -> None:
-        self._releases.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
         if self._client is not None:

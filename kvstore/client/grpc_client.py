@@ -372,7 +372,7 @@ class KVStoreClient:
         if not batch.lease_id:
             return False
         if time.monotonic() - sent < batch.lease_ttl_s * LEASE_TRUSTED_FRACTION:
-            self._release_later(batch.lease_id)
+            self.release_later(batch.lease_id)
             return True
         try:
             self.release(batch.lease_id)
@@ -380,8 +380,9 @@ class KVStoreClient:
             return False  # expired (NOT_FOUND), or unknown
         return True
 
-    def _release_later(self, lease_id: int) -> None:
-        """Release from a background thread (a gRPC future starts a thread per call);
+    def release_later(self, lease_id: int) -> None:
+        """Release from this client's background thread, never waiting (a gRPC future
+        starts a thread per call); an error only lets the lease lapse at its ttl.
         ``stats`` and ``close`` wait until the ones queued have been sent."""
         with self._releasing:
             self._unreleased += 1
@@ -401,9 +402,12 @@ class KVStoreClient:
                 self._unreleased -= 1
                 self._releasing.notify_all()
 
-    def _wait_releases(self) -> None:
+    def wait_releases(self, timeout_s: float | None = None) -> bool:
+        """Until every ``release_later`` was sent (at most ``timeout_s``, by default the
+        client's timeout); False if some were still queued."""
+        timeout_s = self.options.timeout_s if timeout_s is None else timeout_s
         with self._releasing:
-            self._releasing.wait_for(lambda: self._unreleased == 0, self.options.timeout_s)
+            return self._releasing.wait_for(lambda: self._unreleased == 0, timeout_s)
 
     @property
     def shm_stats(self) -> ShmReadStats:
@@ -479,7 +483,7 @@ class KVStoreClient:
         return self._call("Delete", self._delete, req, timeout_s=timeout_s).removed
 
     def stats(self, timeout_s: float | None = None) -> pb.StatsResponse:
-        self._wait_releases()  # so the figures count this client's own ended leases
+        self.wait_releases()  # so the figures count this client's own ended leases
         return self._call("Stats", self._stats, pb.StatsRequest(), timeout_s=timeout_s)
 
     def explain(
@@ -499,7 +503,7 @@ class KVStoreClient:
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
     def close(self) -> None:
-        self._wait_releases()
+        self.wait_releases()
         if self._releaser is not None:
             self._release_queue.put(None)
         self._shm.close()

@@ -5,7 +5,8 @@ Offers ``shard_targets(spec)`` (``"a:1,b:2"``, a list, or ``"dns:NAME:PORT"`` fo
 every address a name resolves to, as a Kubernetes headless Service gives),
 ``rendezvous(root, shards)`` and ``ShardedClient`` with the ``KVStoreClient`` calls
 that name a chain (``lookup``, ``get``, ``get_shm_into``, ``put``, ``delete``,
-``explain``, ``release``) plus ``stats()`` (one answer per shard) and ``close``;
+``explain``, ``release``, ``release_later``) plus ``stats()`` (one answer per shard),
+``wait_releases`` and ``close``;
 ``connect(spec, options)`` gives a plain client for one address and a sharded one
 for several.
 
@@ -97,6 +98,13 @@ class ShardedClient:
     def release(self, lease_id: int, timeout_s: float | None = None) -> None:
         shard = self.shards[lease_id >> _LEASE_SHIFT]
         shard.release(lease_id & ((1 << _LEASE_SHIFT) - 1), timeout_s)
+
+    def release_later(self, lease_id: int) -> None:
+        shard = self.shards[lease_id >> _LEASE_SHIFT]
+        shard.release_later(lease_id & ((1 << _LEASE_SHIFT) - 1))
+
+    def wait_releases(self, timeout_s: float | None = None) -> bool:
+        return all([shard.wait_releases(timeout_s) for shard in self.shards])
 
     def get(self, keys: Sequence[bytes], **kw) -> list[memoryview]:
         _, shard = self._for(keys)
