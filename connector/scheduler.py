@@ -161,7 +161,10 @@ class SchedulerHalf(NodeCoordination):
         # polls, nor for a hit the planner will compute; one found needed is taken below
         waiting = state.wait is not None
         planned = self.planner is None or self.planner.would_load() or self._is_handoff(request)
-        lease = self.load and not waiting and planned
+        usable = (num_tokens - 1) // self.config.chunk_tokens  # leave one token to compute
+        # nor where vLLM's own prefix cache already holds every chunk that could be loaded
+        beyond_local = usable * self.config.chunk_tokens > num_computed_tokens
+        lease = self.load and not waiting and planned and beyond_local
         state.stored, pending, ok = self._lookup(state, keys, lease=lease, reserve=reserve)
         if self.load and self._keep_waiting(state, request, keys, pending, ok):
             self._release(state)
@@ -171,7 +174,6 @@ class SchedulerHalf(NodeCoordination):
             state.saved = max(state.saved, state.stored)
         if not self.load:
             return 0
-        usable = (num_tokens - 1) // self.config.chunk_tokens  # leave one token to compute
         hit = min(state.stored, usable) * self.config.chunk_tokens
         log.debug(
             "kvstore: %s has %d full chunks, %d stored; %d tokens computed here, %d in the store",

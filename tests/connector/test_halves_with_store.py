@@ -153,6 +153,33 @@ def test_scheduler_reports_whole_stored_chunks_and_leaves_a_token(store_address)
     sched.close()
 
 
+class LeaseCountingClient(KVStoreClient):
+    """A real client that counts the lookups asking for a lease."""
+
+    leased = 0
+
+    def lookup(self, keys, lease_ttl_s: float = 0.0, *args, **kw):
+        self.leased += lease_ttl_s > 0
+        return super().lookup(keys, lease_ttl_s, *args, **kw)
+
+
+def test_no_lease_for_a_prefix_vllms_own_cache_already_covers(store_address):
+    tokens = list(range(700, 700 + 3 * CHUNK))
+    keys = chunk_keys(NS.digest(), tokens, CHUNK)
+    w = worker(store_address, paged_cache())
+    w.save(KVStoreMetadata(saves=[SaveSpec("a", keys, None, list(range(6)))]))
+    w.flush(10)
+    client = LeaseCountingClient(store_address)
+    sched = SchedulerHalf(config(store_address), NS, BLOCK, client=client)
+    # every loadable chunk (2: one token is left to compute) is already computed here
+    assert sched.matched_tokens(request("local", tokens), 2 * CHUNK) == 0
+    assert client.leased == 0
+    assert sched.matched_tokens(request("store", tokens), CHUNK) == CHUNK
+    assert client.leased == 1
+    sched.close()
+    w.close()
+
+
 def test_a_release_the_store_has_not_answered_does_not_hold_up_the_step(store_address):
     """vLLM ends a request's leases in the step it finishes, before that step's tokens go
     out: the Release is sent by the half's own thread, never waited for there."""
