@@ -46,7 +46,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import RESULTS, Progress, emit, parser  # noqa: E402
-from benchmarks.openai_server import CPU_ENV, OpenAIServer  # noqa: E402
+from benchmarks.openai_server import CPU_ENV, OpenAIServer, scrape  # noqa: E402
 from kvstore.client import KVStoreClient  # noqa: E402
 from tests.procs import (  # noqa: E402
     KVSTORE,
@@ -198,6 +198,8 @@ class Bench(ModelBench):
         self.computed: dict[str, dict[int, int]] = {
             c: dict.fromkeys(args.lengths, 0) for c in configs(args)
         }
+        # per request, ms: engine queue (Lookup in it), prefill (load + forward), outside
+        self.split: dict[str, dict[int, list[tuple[float, float, float]]]] = {}
 
     def start(self) -> dict:
         """The store, then the servers (five, six with ``--layerwise-too``; started together)."""
@@ -272,7 +274,9 @@ class Bench(ModelBench):
     def measure(self, length: int, samples: dict, progress: Progress) -> None:
         def record(config: str, server: str, prompt: list[int], want_cached: int) -> None:
             hits = self.store_hits()
+            before = scrape(self.servers[server].port)
             seconds, cached = self.servers[server].ttft(prompt)
+            self.split_engine(config, length, server, before, seconds)
             ok = cached == want_cached if want_cached == 0 else cached >= want_cached
             # vLLM reports what the connector promised; the store's read counter says
             # whether the chunks were really read (a failed load is recomputed), and that
@@ -303,6 +307,25 @@ class Bench(ModelBench):
                         record("kvstore_raw_layerwise", "b_raw_layerwise", prefix + suffix, length)
                     record("vllm_prefix_cache", "b_raw", prefix + self.tokens(SUFFIX), length)
                     record("recompute", "recompute", prefix + self.tokens(SUFFIX), 0)
+
+    def split_engine(self, config: str, length: int, server: str, before: dict, ttft_s: float):
+        """Where a request's TTFT went, from vLLM's own per-request histograms: ``queue``
+        (arrival at the engine core until scheduled: the connector's Lookup is in it),
+        ``prefill`` (scheduled until the first token: the load and the forward) and
+        ``outside`` (the rest: HTTP, tokenising, the front end's IPC)."""
+        q, pf = "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds"
+        deadline = time.monotonic() + 2.0
+        while True:  # the front end records a finished request's times a moment later
+            after = scrape(self.servers[server].port)
+            if after.get(f"{q}_count", 0) > before.get(f"{q}_count", 0):
+                break
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
+        queue = after[f"{q}_sum"] - before.get(f"{q}_sum", 0.0)
+        prefill = after[f"{pf}_sum"] - before.get(f"{pf}_sum", 0.0)
+        split = self.split.setdefault(config, {}).setdefault(length, [])
+        split.append((queue * 1e3, prefill * 1e3, (ttft_s - queue - prefill) * 1e3))
 
     def store_hits(self) -> int:
         return sum(t.hits for t in self.client.stats().tiers)
@@ -444,6 +467,16 @@ def main() -> None:
         "ttft_p90_ms": {c: {n: round(ms, 1) for n, ms in v.items()} for c, v in p90.items()},
         "speedup_vs_recompute": {
             c: {n: round(x, 2) for n, x in v.items()} for c, v in speedup.items()
+        },
+        "engine_split_ms": {
+            c: {
+                str(n): {
+                    part: round(statistics.median(x[i] for x in v), 1)
+                    for i, part in enumerate(("queue", "prefill", "outside"))
+                }
+                for n, v in by_length.items()
+            }
+            for c, by_length in bench.split.items()
         },
         "planner": args.planner,
         "planner_computed": {
