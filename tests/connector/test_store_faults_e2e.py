@@ -22,6 +22,7 @@ from tests.connector.test_vllm_e2e import (
     RECONNECT_S,
     close_engines,
     connector,
+    producer,
     start_engines,
     tokens,
 )
@@ -44,8 +45,9 @@ def model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def rig(model, tmp_path_factory):
-    """A TLS store with one tenant, a proxy in front of it, and three engines:
-    ref (no connector), a (to the store) and b (through the proxy)."""
+    """A TLS store with one tenant, a proxy in front of it, and two engines: a (to the
+    store; only saves, so it computes every token and is the reference too) and b
+    (through the proxy)."""
     work = tmp_path_factory.mktemp("faults")
     pki = make_pki(work / "pki")
     (work / "token").write_text(TOKEN + "\n")
@@ -71,12 +73,11 @@ def rig(model, tmp_path_factory):
         engines = start_engines(
             model,
             [
-                None,
-                connector(state["direct"]),
+                producer(connector(state["direct"])),
                 connector(f"localhost:{proxy.port}", load_timeout_s=2.0),
             ],
         )
-        state.update(zip(("ref", "a", "b"), engines))
+        state.update(zip(("a", "b"), engines), ref=engines[0])
         yield state
     finally:
         close_engines(engines)

@@ -2,7 +2,7 @@
 
 Node A prefills a prompt; node B, fresh, serves the same prefix with another
 suffix and loads the prefix from the store instead of computing it. Its greedy
-output must equal a reference engine without any connector, token for token
+output must equal A's, which computes every token (it only saves), token for token
 (``raw``). A shorter shared prefix checks that KV landed in the right blocks.
 Then the store dies (B recomputes), restarts with its LMDB on its port (node C, which
 never saw the prefix, hits without a restart), and a bad connector config stops an
@@ -123,6 +123,13 @@ def connector(address: str, codec: str = "raw", chunk_tokens: int = CHUNK, **ext
     return kv_transfer_config(address, codec, chunk_tokens, lookup_timeout_s=1.0, **extra)
 
 
+def producer(conn: dict) -> dict:
+    """``kv_producer``: saves, never loads, so it computes every token. Such a node is
+    the reference output too, with the same process layout and thread counts as the
+    nodes it is compared with (one engine start fewer than a separate reference)."""
+    return {**conn, "kv_role": "kv_producer"}
+
+
 def tokens(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 900) for _ in range(n)]
@@ -137,19 +144,22 @@ def model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(model, tmp_path_factory):
-    """One store and the engines that share it: ref (no connector), A, B (raw).
+    """One store and the engines that share it: A and B (raw).
 
-    A saves over TCP, as from another node; B, on the store's host, loads and saves
-    through shared memory (``transport`` auto) and writes its loads a layer at a time
-    while the forward runs (``load_layerwise``); the fp8 pair loads over TCP."""
+    A saves over TCP, as from another node, and never loads (``kv_producer``): it is
+    also the reference every output is compared with (``ref``); B, on the store's host,
+    loads and saves through shared memory (``transport`` auto) and writes its loads a
+    layer at a time while the forward runs (``load_layerwise``); the fp8 pair loads over
+    TCP."""
     work = tmp_path_factory.mktemp("cluster")
     cfg = store_config(work / "kvstore.yaml", work / "lmdb")
     # a fixed port: the store restarted later is found again by the running engines
     argv = [KVSTORE, "serve", "--config", str(cfg), "--server.listen", f"127.0.0.1:{free_port()}"]
     store = Served(argv)
-    a, b = connector(store.address, transport="tcp"), connector(store.address, load_layerwise=True)
-    engines = start_engines(model, [None, a, b])
-    state = {"store": store, "argv": argv, "ref": engines[0], "a": engines[1], "b": engines[2]}
+    a = producer(connector(store.address, transport="tcp"))
+    b = connector(store.address, load_layerwise=True)
+    engines = start_engines(model, [a, b])
+    state = {"store": store, "argv": argv, "ref": engines[0], "a": engines[0], "b": engines[1]}
     yield state
     close_engines(engines)
     if state["store"].proc.poll() is None:
