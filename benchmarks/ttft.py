@@ -198,7 +198,7 @@ class Bench(ModelBench):
         self.computed: dict[str, dict[int, int]] = {
             c: dict.fromkeys(args.lengths, 0) for c in configs(args)
         }
-        # per request, ms: engine queue (Lookup in it), prefill (load + forward), outside
+        # per request, ms: engine queue, prefill (Lookup, load and forward), outside
         self.split: dict[str, dict[int, list[tuple[float, float, float]]]] = {}
 
     def start(self) -> dict:
@@ -310,9 +310,10 @@ class Bench(ModelBench):
 
     def split_engine(self, config: str, length: int, server: str, before: dict, ttft_s: float):
         """Where a request's TTFT went, from vLLM's own per-request histograms: ``queue``
-        (arrival at the engine core until scheduled: the connector's Lookup is in it),
-        ``prefill`` (scheduled until the first token: the load and the forward) and
-        ``outside`` (the rest: HTTP, tokenising, the front end's IPC)."""
+        (arrival at the engine core until the step that schedules it starts), ``prefill``
+        (from then until the first token: vLLM stamps the schedule at the step's start, so
+        the connector's Lookup is in it, with the load and the forward) and ``outside``
+        (the rest: HTTP, tokenising, the front end)."""
         q, pf = "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds"
         deadline = time.monotonic() + 2.0
         while True:  # the front end records a finished request's times a moment later

@@ -23,6 +23,7 @@ its polls instead of spinning. A store that fails ends every wait: the request c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -389,7 +390,8 @@ class SchedulerHalf(NodeCoordination):
         # never waited for: vLLM frees a finished request before that step's tokens go
         # out, so a Release here would add a round trip to a one-token request's TTFT
         for lease_id in state.lease_ids:
-            self.client.release_later(lease_id)
+            with contextlib.suppress(Exception):  # otherwise the lease simply expires
+                self.client.release_later(lease_id)
         state.lease_ids.clear()
 
     def flush_releases(self, timeout_s: float | None = None) -> bool:

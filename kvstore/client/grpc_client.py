@@ -266,6 +266,7 @@ class KVStoreClient:
         self._shm = ShmReader()
         self._release_queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._releaser: threading.Thread | None = None
+        self._closing = False  # no release_later once close began
         self._releasing = threading.Condition()  # guards the two fields below
         self._unreleased = 0  # Release calls queued or in flight, not waited for
 
@@ -385,6 +386,8 @@ class KVStoreClient:
         starts a thread per call); an error only lets the lease lapse at its ttl.
         ``stats`` and ``close`` wait until the ones queued have been sent."""
         with self._releasing:
+            if self._closing:
+                return  # closed: the lease lapses at its ttl
             self._unreleased += 1
             if self._releaser is None:
                 self._releaser = threading.Thread(
@@ -395,12 +398,15 @@ class KVStoreClient:
 
     def _release_loop(self) -> None:
         while (lease_id := self._release_queue.get()) is not None:
-            with contextlib.suppress(grpc.RpcError, ValueError):  # ValueError: channel closed
-                # an error only means the lease lapses on its own
-                self._release(pb.ReleaseRequest(lease_id=lease_id), timeout=self.options.timeout_s)
-            with self._releasing:
-                self._unreleased -= 1
-                self._releasing.notify_all()
+            try:
+                with contextlib.suppress(Exception):  # e.g. ValueError: channel closed
+                    # an error only means the lease lapses on its own
+                    req = pb.ReleaseRequest(lease_id=lease_id)
+                    self._release(req, timeout=self.options.timeout_s)
+            finally:
+                with self._releasing:
+                    self._unreleased -= 1
+                    self._releasing.notify_all()
 
     def wait_releases(self, timeout_s: float | None = None) -> bool:
         """Until every ``release_later`` was sent (at most ``timeout_s``, by default the
@@ -504,6 +510,8 @@ class KVStoreClient:
 
     def close(self) -> None:
         self.wait_releases()
+        with self._releasing:
+            self._closing = True
         if self._releaser is not None:
             self._release_queue.put(None)
         self._shm.close()

@@ -20,6 +20,7 @@ rejected ("shard unavailable").
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Mapping, Sequence
 
 import grpc
@@ -104,7 +105,10 @@ class ShardedClient:
         shard.release_later(lease_id & ((1 << _LEASE_SHIFT) - 1))
 
     def wait_releases(self, timeout_s: float | None = None) -> bool:
-        return all([shard.wait_releases(timeout_s) for shard in self.shards])
+        """Every shard's queued releases sent, all within one ``timeout_s``."""
+        timeout_s = self.shards[0].options.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        return all([s.wait_releases(max(0.0, deadline - time.monotonic())) for s in self.shards])
 
     def get(self, keys: Sequence[bytes], **kw) -> list[memoryview]:
         _, shard = self._for(keys)

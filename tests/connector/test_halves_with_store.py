@@ -148,7 +148,7 @@ def test_scheduler_reports_whole_stored_chunks_and_leaves_a_token(store_address)
         assert client.stats().active_leases == 2  # r1 and r2 hold theirs
         sched.finished(request("r1", tokens))
         sched.finished(request("r2", tokens))
-        assert sched.flush_releases(5)  # sent by the half's release thread
+        assert sched.flush_releases(5)  # sent by the client's background releaser
         assert client.stats().active_leases == 0
     sched.close()
 
@@ -182,7 +182,7 @@ def test_no_lease_for_a_prefix_vllms_own_cache_already_covers(store_address):
 
 def test_a_release_the_store_has_not_answered_does_not_hold_up_the_step(store_address):
     """vLLM ends a request's leases in the step it finishes, before that step's tokens go
-    out: the Release is sent by the half's own thread, never waited for there."""
+    out: the Release is sent by the client's background releaser, never waited for there."""
     tokens = list(range(900, 900 + 3 * CHUNK))
     keys = chunk_keys(NS.digest(), tokens, CHUNK)
     w = worker(store_address, paged_cache())

@@ -1,7 +1,7 @@
 """Three real `kvstore serve` shards behind one ShardedClient: chains spread over all of
 them, a lookup asks only its chain's shard, a killed shard turns its chains into misses
 (no errors, no hangs) while the others keep hitting, and `kvstore stats` shows every
-shard."""
+shard; leases go back to the shard that granted them."""
 
 from __future__ import annotations
 
@@ -32,6 +32,14 @@ def test_three_shards_spread_chains_and_survive_losing_one(tmp_path):
                 assert [bytes(p) for p in client.get(keys_of(c))] == payloads_of(c)
                 homes = [s.lookup(keys_of(c)).matched for s in client.shards]
                 assert sorted(homes) == [0, 0, 2]
+            # leases taken on every shard go back to the shard that granted them, from the
+            # background (as the connector's scheduler half ends them)
+            leases = [client.lookup(keys_of(c), lease_ttl_s=30).lease_id for c in chains]
+            assert all(leases) and sum(s.active_leases for _, s in client.stats()) == 30
+            for lease in leases:
+                client.release_later(lease)
+            assert client.wait_releases(10)
+            assert [s.active_leases for _, s in client.stats()] == [0, 0, 0]
 
             done = subprocess.run(
                 [KVSTORE, "stats", "--address", spec], capture_output=True, text=True, timeout=60
