@@ -132,12 +132,19 @@ def request(req_id: str, tokens: list[int]):
     return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens)
 
 
-def test_scheduler_reports_whole_stored_chunks_and_leaves_a_token(store_address):
-    tokens = list(range(500, 500 + 3 * CHUNK))
+def stored_prompt(address: str, first: int) -> tuple[list[int], WorkerHalf]:
+    """A 3-chunk prompt whose chunks a worker saved to the store (the worker is returned
+    for closing)."""
+    tokens = list(range(first, first + 3 * CHUNK))
     keys = chunk_keys(NS.digest(), tokens, CHUNK)
-    w = worker(store_address, paged_cache())
+    w = worker(address, paged_cache())
     w.save(KVStoreMetadata(saves=[SaveSpec("a", keys, None, list(range(6)))]))
     w.flush(10)
+    return tokens, w
+
+
+def test_scheduler_reports_whole_stored_chunks_and_leaves_a_token(store_address):
+    tokens, w = stored_prompt(store_address, 500)
     sched = SchedulerHalf(config(store_address), NS, BLOCK)
     # the whole prompt is stored, but one token must be left to compute: 2 chunks, not 3
     assert sched.matched_tokens(request("r1", tokens), 0) == 2 * CHUNK
@@ -164,11 +171,7 @@ class LeaseCountingClient(KVStoreClient):
 
 
 def test_no_lease_for_a_prefix_vllms_own_cache_already_covers(store_address):
-    tokens = list(range(700, 700 + 3 * CHUNK))
-    keys = chunk_keys(NS.digest(), tokens, CHUNK)
-    w = worker(store_address, paged_cache())
-    w.save(KVStoreMetadata(saves=[SaveSpec("a", keys, None, list(range(6)))]))
-    w.flush(10)
+    tokens, w = stored_prompt(store_address, 700)
     client = LeaseCountingClient(store_address)
     sched = SchedulerHalf(config(store_address), NS, BLOCK, client=client)
     # every loadable chunk (2: one token is left to compute) is already computed here
@@ -183,11 +186,7 @@ def test_no_lease_for_a_prefix_vllms_own_cache_already_covers(store_address):
 def test_a_release_the_store_has_not_answered_does_not_hold_up_the_step(store_address):
     """vLLM ends a request's leases in the step it finishes, before that step's tokens go
     out: the Release is sent by the client's background releaser, never waited for there."""
-    tokens = list(range(900, 900 + 3 * CHUNK))
-    keys = chunk_keys(NS.digest(), tokens, CHUNK)
-    w = worker(store_address, paged_cache())
-    w.save(KVStoreMetadata(saves=[SaveSpec("a", keys, None, list(range(6)))]))
-    w.flush(10)
+    tokens, w = stored_prompt(store_address, 900)
     proxy = FaultyProxy(int(store_address.rsplit(":", 1)[1]))
     sched = SchedulerHalf(config(f"127.0.0.1:{proxy.port}", lookup_timeout_s=30), NS, BLOCK)
     try:
