@@ -394,10 +394,6 @@ class SchedulerHalf(NodeCoordination):
                 self.client.release_later(lease_id)
         state.lease_ids.clear()
 
-    def flush_releases(self, timeout_s: float | None = None) -> bool:
-        """Wait until every lease this half ended was released at the store."""
-        return self._client is None or self._client.wait_releases(timeout_s)
-
     def _log_once(self, kind: str, msg: str, *args) -> None:
         if kind not in self._logged:
             self._logged.add(kind)

@@ -100,6 +100,14 @@ def kv_transfer_config(store: str, codec: str, chunk_tokens: int, **extra) -> di
     }
 
 
+def store_hits(address: str) -> int:
+    """Chunk reads the store served, all tiers together."""
+    from kvstore.client import KVStoreClient
+
+    with KVStoreClient(address) as client:
+        return sum(t.hits for t in client.stats().tiers)
+
+
 def wait_for_chunks(address: str, n: int, timeout: float = 60) -> int:
     """Saves are asynchronous: wait until the store holds ``n`` chunks; returns its count."""
     from kvstore.client import KVStoreClient

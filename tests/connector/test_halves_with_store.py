@@ -155,7 +155,7 @@ def test_scheduler_reports_whole_stored_chunks_and_leaves_a_token(store_address)
         assert client.stats().active_leases == 2  # r1 and r2 hold theirs
         sched.finished(request("r1", tokens))
         sched.finished(request("r2", tokens))
-        assert sched.flush_releases(5)  # sent by the client's background releaser
+        assert sched.client.wait_releases(5)  # sent by the client's background releaser
         assert client.stats().active_leases == 0
     sched.close()
 
@@ -193,11 +193,11 @@ def test_a_release_the_store_has_not_answered_does_not_hold_up_the_step(store_ad
         assert sched.matched_tokens(request("r1", tokens), 0) == 2 * CHUNK
         proxy.mode = "stall"  # the store's answers are held back from here on
         sched.finished(request("r1", tokens))  # returns: a synchronous Release would hang
-        assert not sched.flush_releases(0.5), "the Release was answered through a stall"
+        assert not sched.client.wait_releases(0.5), "the Release was answered through a stall"
         with KVStoreClient(store_address) as client:
             assert client.stats().active_leases == 1
             proxy.mode = "pass"  # the held Release goes on
-            assert sched.flush_releases(10)
+            assert sched.client.wait_releases(10)
             assert client.stats().active_leases == 0
     finally:
         proxy.mode = "pass"

@@ -143,7 +143,7 @@ def test_a_resumption_vllm_gives_no_external_tokens_loads_nothing(store_address)
         step(cached=[(req, [5, 6, 7, 8, 9], 0)], resumed=[req], scheduled={"r": 2 * CHUNK + 1})
     )
     assert meta.loads == []
-    assert sched.flush_releases(5)
+    assert sched.client.wait_releases(5)
     with KVStoreClient(store_address) as client:
         assert client.stats().active_leases == 0  # its lease went back with the load
     sched.close()

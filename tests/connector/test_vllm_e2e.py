@@ -113,8 +113,8 @@ def start_engines(
 def close_engines(engines: list[Engine]) -> None:
     """All are told to shut down at once, then each is waited for."""
     for e in engines:
-        if e.proc.poll() is None and not e.proc.stdin.closed:
-            e.proc.stdin.close()
+        if not e.proc.stdin.closed:
+            e.proc.stdin.close()  # each sees EOF and shuts down
     for e in engines:
         e.close()
 

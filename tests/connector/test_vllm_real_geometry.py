@@ -23,7 +23,7 @@ import pytest
 from kvstore.client import ClientOptions, KVStoreClient
 from kvstore.core.keys import Namespace, chunk_keys
 from kvstore.core.payload import HEADER_BYTES, parse_header
-from tests.procs import KVSTORE, ROOT, Served, store_config, wait_for_chunks
+from tests.procs import KVSTORE, ROOT, Served, store_config, store_hits, wait_for_chunks
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -135,21 +135,17 @@ def test_b_loads_32_mib_chunks_that_a_prefilled_and_matches_vllms_own_cache(mode
     assert first["num_cached_tokens"] == 0  # nothing stored yet: A computed everything
     assert wait_for_chunks(store.address, 2) == 2
 
-    def store_hits() -> int:
-        with KVStoreClient(store.address) as client:
-            return sum(t.hits for t in client.stats().tiers)
-
     prompt = prefix + tokens(3, 20)
-    hits_before = store_hits()
+    hits_before = store_hits(store.address)
     got = b.generate(prompt)
-    hits_after = store_hits()
+    hits_after = store_hits(store.address)
     # A holds the prefix in vLLM's own cache, as B holds it from the store: both then
     # compute only the tail, the same kernels over the same KV. (Recomputing the prefix
     # with the tail is another kernel path: in bf16 on some CPUs (an AVX2-only AMD host
     # here) its tokens differ from the cached prefix's, with or without kvstore.)
     want = a.generate(prompt)
     assert want["num_cached_tokens"] == PREFIX
-    assert store_hits() == hits_after  # A's own cache: its connector loaded nothing
+    assert store_hits(store.address) == hits_after  # A's own cache: its connector loaded nothing
     # another cache salt: another entry in vLLM's cache and other keys in the store
     again = a.generate(prompt, cache_salt="recompute")
     assert again["num_cached_tokens"] == 0

@@ -24,7 +24,14 @@ from kvstore.client import KVStoreClient
 from kvstore.server.tiers.shm_region import reclaim_stale
 from tests.connector.store_proxy import StoreProxy
 from tests.connector.test_vllm_e2e import close_engines, start_engines
-from tests.procs import KVSTORE, Served, kv_transfer_config, store_config, wait_for_chunks
+from tests.procs import (
+    KVSTORE,
+    Served,
+    kv_transfer_config,
+    store_config,
+    store_hits,
+    wait_for_chunks,
+)
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -70,11 +77,6 @@ def traffic(model, tmp_path_factory):
         store.stop()
     else:  # the last test killed it: reclaim its region as the next store to start would
         reclaim_stale()
-
-
-def store_hits(address: str) -> int:
-    with KVStoreClient(address) as client:
-        return sum(t.hits for t in client.stats().tiers)
 
 
 def stored(address: str) -> int:
