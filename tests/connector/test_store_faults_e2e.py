@@ -20,6 +20,7 @@ from tests.certs import make_pki
 from tests.connector.test_vllm_e2e import (
     PREFIX,
     RECONNECT_S,
+    SEPARATE_CORE,
     close_engines,
     connector,
     producer,
@@ -77,6 +78,8 @@ def rig(model, tmp_path_factory):
                 producer(connector(state["direct"])),
                 connector(f"localhost:{proxy.port}", load_timeout_s=2.0),
             ],
+            # faults are where the layout matters: vLLM's engine core in its own process
+            env=SEPARATE_CORE,
         )
         state.update(zip(("a", "b"), engines), ref=engines[0])
         yield state

@@ -12,10 +12,6 @@ would cost the suite another half minute of start-up.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,13 +19,12 @@ import pytest
 from kvstore.client import ClientOptions, KVStoreClient
 from kvstore.core.keys import Namespace, chunk_keys
 from kvstore.core.payload import HEADER_BYTES, parse_header
-from tests.procs import KVSTORE, ROOT, Served, store_config, store_hits, wait_for_chunks
+from tests.procs import KVSTORE, Served, store_config, store_hits, wait_for_chunks
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 from tests.connector.test_vllm_e2e import (  # noqa: E402
-    DRIVER,
     Engine,
     close_engines,
     connector,
@@ -45,36 +40,6 @@ CHUNK_BYTES = 2 * LAYERS * KV_HEADS * CHUNK * HEAD_DIM * 2  # K and V, bf16: 32 
 # then be 64 MiB + header, over the store's 64 MiB limit. Real deployments serve
 # Llama-3-8B in bf16.
 LLM_KWARGS = {"dtype": "bfloat16"}
-ENGINE_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    # 1 GiB of KV is 8192 bf16 tokens of this geometry: room for max_model_len 2048
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    # equal torch thread counts with and without a connector, so outputs compare exactly
-    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
-}
-
-
-class Bf16Engine(Engine):
-    """``Engine`` with the model served in bf16."""
-
-    def __init__(self, model: Path, connector: dict | None, **llm_kwargs) -> None:
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                DRIVER,
-                str(model),
-                json.dumps(connector) if connector else "none",
-                json.dumps({**LLM_KWARGS, **llm_kwargs}),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=ROOT,
-            env={**os.environ, **ENGINE_ENV},
-        )
-        self.log: list[str] = []
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +67,10 @@ def cluster(model, tmp_path_factory):
         [KVSTORE, "serve", "--config", str(store_config(work / "kv.yaml", work / "lmdb"))]
     )
     conn = connector(store.address, "raw", CHUNK)
-    engines = [Bf16Engine(model, conn, enable_prefix_caching=True), Bf16Engine(model, conn)]
+    engines = [
+        Engine(model, conn, {**LLM_KWARGS, "enable_prefix_caching": True}),
+        Engine(model, conn, LLM_KWARGS),
+    ]
     try:
         for e in engines:
             info = e.ready()
