@@ -1,0 +1,185 @@
+/* fp8 (e4m3fn) quantisation of K/V on the CPU, bit for bit what kvstore.core.codec's
+ * eager torch kernels produce, in one pass over memory with loops the compiler vectorises.
+ *
+ * Built once per host by kvstore/core/fp8_cpu.py (cc -O3 -march=native -fopenmp) and
+ * called through ctypes, which lets the GIL go for the call.
+ *
+ * A tensor is seen as [outer, tokens, dim] (outer = chunks x layers x kv_heads), one scale
+ * per column of a [tokens, dim] slab (K: per channel, scale[outer][dim]) or per row
+ * (V: per token, scale[outer][tokens]).
+ *
+ * Encode: amax = max |x| over the slab's tokens (K) or the row (V), scale =
+ * max(amax, 1e-12) / 448, code = e4m3fn(clamp(x / scale, -448, 448)) rounded to nearest
+ * even. The conversion is integer arithmetic on the float's bits (normal range: round the
+ * mantissa to 3 bits and re-bias the exponent; below 2^-6: add 2^14, whose ulp is the
+ * subnormal step 2^-9, and read the steps off the bits).
+ * Decode: the code's 7 magnitude bits shifted to a float32 exponent/mantissa are the value
+ * times 2^-120 (normals and subnormals alike), so value = bits * 2^120 * scale exactly as
+ * torch's code.float() * scale, then rounded to the output dtype.
+ */
+#include <stdint.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+static inline float from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+static inline float load(const void *p, int64_t i, int dtype) {
+    if (dtype == BF16) return from_bits((uint32_t)((const uint16_t *)p)[i] << 16);
+    if (dtype == F16) return (float)((const _Float16 *)p)[i];
+    return ((const float *)p)[i];
+}
+
+static inline void store(void *p, int64_t i, float f, int dtype) {
+    if (dtype == BF16) {
+        uint32_t u = to_bits(f);
+        uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+        ((uint16_t *)p)[i] = (uint16_t)(f != f ? 0x7FC0u : r);
+    } else if (dtype == F16) {
+        ((_Float16 *)p)[i] = (_Float16)f;
+    } else {
+        ((float *)p)[i] = f;
+    }
+}
+
+static inline uint8_t e4m3(float x, float scale) {
+    float y = x / scale;
+    y = y > 448.0f ? 448.0f : (y < -448.0f ? -448.0f : y); /* NaN stays NaN */
+    uint32_t b = to_bits(y), a = b & 0x7FFFFFFFu, sign = (b >> 24) & 0x80u;
+    uint32_t normal = ((a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20) - 960u;
+    uint32_t sub = to_bits(from_bits(a) + 16384.0f) - 0x46800000u;
+    uint32_t code = a < 0x3C800000u ? sub : normal;
+    code = a > 0x7F800000u ? 0x7Fu : code; /* NaN keeps its sign, as torch converts it */
+    return (uint8_t)(code | sign);
+}
+
+static inline float e4m3_value(uint8_t c) {
+    uint32_t b = c;
+    float f = from_bits(((b & 0x7Fu) << 20) | ((b & 0x80u) << 24)) * 0x1p120f;
+    return (b & 0x7Fu) == 0x7Fu ? __builtin_nanf("") : f;
+}
+
+/* |x| as bits: unsigned order is float order for non-negative floats, NaN above them all
+ * (so a NaN propagates as in torch's amax), and an integer max reduction vectorises. */
+static inline uint32_t abs_bits(float x) { return to_bits(x) & 0x7FFFFFFFu; }
+
+static inline float scale_of(float amax) {
+    return (amax < 1e-12f ? 1e-12f : amax) / 448.0f; /* NaN stays NaN */
+}
+
+/* Row kernels: one load, one store, no branches and restrict pointers, so that each
+ * inner loop vectorises (the outer loops below only pick rows). */
+#define DEFINE(DT, NAME)                                                                  \
+    static void amax_row_##NAME(const void *restrict x, int64_t n, float *restrict s) {   \
+        uint32_t m = 0;                                                                   \
+        for (int64_t i = 0; i < n; i++) {                                                 \
+            const uint32_t a = abs_bits(load(x, i, DT));                                  \
+            m = a > m ? a : m;                                                            \
+        }                                                                                 \
+        *s = scale_of(from_bits(m));                                                      \
+    }                                                                                     \
+    static void amax_cols_##NAME(const void *restrict x, int64_t n, uint32_t *restrict m) { \
+        for (int64_t i = 0; i < n; i++) {                                                 \
+            const uint32_t a = abs_bits(load(x, i, DT));                                  \
+            m[i] = a > m[i] ? a : m[i];                                                   \
+        }                                                                                 \
+    }                                                                                     \
+    static void codes_one_##NAME(const void *restrict x, float s, uint8_t *restrict c,    \
+                                 int64_t n) {                                             \
+        for (int64_t i = 0; i < n; i++) c[i] = e4m3(load(x, i, DT), s);                   \
+    }                                                                                     \
+    static void codes_cols_##NAME(const void *restrict x, const float *restrict s,        \
+                                  uint8_t *restrict c, int64_t n) {                       \
+        for (int64_t i = 0; i < n; i++) c[i] = e4m3(load(x, i, DT), s[i]);                \
+    }                                                                                     \
+    static void values_one_##NAME(const uint8_t *restrict c, float s, void *restrict o,   \
+                                  int64_t n) {                                            \
+        for (int64_t i = 0; i < n; i++) store(o, i, e4m3_value(c[i]) * s, DT);            \
+    }                                                                                     \
+    static void values_cols_##NAME(const uint8_t *restrict c, const float *restrict s,    \
+                                   void *restrict o, int64_t n) {                         \
+        for (int64_t i = 0; i < n; i++) store(o, i, e4m3_value(c[i]) * s[i], DT);         \
+    }                                                                                     \
+    static void encode_##NAME(const char *x, uint8_t *codes, float *scale, int64_t outer, \
+                              int64_t tokens, int64_t dim, int per_token, int64_t esize) { \
+        uint32_t m[dim]; /* per channel: the column maxima of one slab */                 \
+        for (int64_t o = 0; o < outer; o++) {                                             \
+            const int64_t base = o * tokens * dim;                                        \
+            if (per_token) {                                                              \
+                for (int64_t t = 0; t < tokens; t++) {                                    \
+                    const int64_t row = base + t * dim;                                   \
+                    float *s = scale + o * tokens + t;                                    \
+                    amax_row_##NAME(x + row * esize, dim, s);                             \
+                    codes_one_##NAME(x + row * esize, *s, codes + row, dim);              \
+                }                                                                         \
+            } else {                                                                      \
+                float *s = scale + o * dim;                                               \
+                memset(m, 0, sizeof m);                                                   \
+                for (int64_t t = 0; t < tokens; t++)                                      \
+                    amax_cols_##NAME(x + (base + t * dim) * esize, dim, m);               \
+                for (int64_t d = 0; d < dim; d++) s[d] = scale_of(from_bits(m[d]));       \
+                for (int64_t t = 0; t < tokens; t++)                                      \
+                    codes_cols_##NAME(x + (base + t * dim) * esize, s, codes + base + t * dim, dim); \
+            }                                                                             \
+        }                                                                                 \
+    }                                                                                     \
+    static void decode_##NAME(const uint8_t *codes, const float *scale, char *out,        \
+                              int64_t outer, int64_t tokens, int64_t dim, int per_token,  \
+                              int64_t esize) {                                            \
+        for (int64_t o = 0; o < outer; o++)                                               \
+            for (int64_t t = 0; t < tokens; t++) {                                        \
+                const int64_t row = (o * tokens + t) * dim;                               \
+                if (per_token)                                                            \
+                    values_one_##NAME(codes + row, scale[o * tokens + t], out + row * esize, dim); \
+                else                                                                      \
+                    values_cols_##NAME(codes + row, scale + o * dim, out + row * esize, dim); \
+            }                                                                             \
+    }
+DEFINE(F32, f32)
+DEFINE(BF16, bf16)
+DEFINE(F16, f16)
+
+typedef struct { int64_t start, count; } share_t;
+
+static inline share_t share(int64_t outer, int index, int parts) {
+    int64_t each = outer / parts, extra = outer % parts;
+    share_t s = {index * each + (index < extra ? index : extra), each + (index < extra)};
+    return s;
+}
+
+int kv_fp8_encode(const void *x, int dtype, uint8_t *codes, float *scale, int64_t outer,
+                  int64_t tokens, int64_t dim, int per_token, int threads) {
+    if (dtype != F32 && dtype != BF16 && dtype != F16) return -1;
+    const int64_t esize = dtype == F32 ? 4 : 2, sstride = per_token ? tokens : dim;
+    if (threads < 1) threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int i = 0; i < threads; i++) {
+        share_t s = share(outer, i, threads);
+        const char *xs = (const char *)x + s.start * tokens * dim * esize;
+        uint8_t *cs = codes + s.start * tokens * dim;
+        float *ss = scale + s.start * sstride;
+        if (dtype == BF16) encode_bf16(xs, cs, ss, s.count, tokens, dim, per_token, esize);
+        else if (dtype == F16) encode_f16(xs, cs, ss, s.count, tokens, dim, per_token, esize);
+        else encode_f32(xs, cs, ss, s.count, tokens, dim, per_token, esize);
+    }
+    return 0;
+}
+
+int kv_fp8_decode(const uint8_t *codes, const float *scale, void *out, int dtype, int64_t outer,
+                  int64_t tokens, int64_t dim, int per_token, int threads) {
+    if (dtype != F32 && dtype != BF16 && dtype != F16) return -1;
+    const int64_t esize = dtype == F32 ? 4 : 2, sstride = per_token ? tokens : dim;
+    if (threads < 1) threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int i = 0; i < threads; i++) {
+        share_t s = share(outer, i, threads);
+        const uint8_t *cs = codes + s.start * tokens * dim;
+        const float *ss = scale + s.start * sstride;
+        char *os = (char *)out + s.start * tokens * dim * esize;
+        if (dtype == BF16) decode_bf16(cs, ss, os, s.count, tokens, dim, per_token, esize);
+        else if (dtype == F16) decode_f16(cs, ss, os, s.count, tokens, dim, per_token, esize);
+        else decode_f32(cs, ss, os, s.count, tokens, dim, per_token, esize);
+    }
+    return 0;
+}

@@ -1,0 +1,121 @@
+"""The fp8 codec's C loops on CPU: the eager torch kernels' bytes, built once, optional."""
+
+import logging
+import os
+
+import pytest
+import torch
+
+from kvstore.core import codec, fp8_cpu
+
+SHAPE = (3, 2, 16, 64)  # layers, kv_heads, tokens, head_dim
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+pytestmark = pytest.mark.skipif(fp8_cpu.load() is None, reason="no C compiler here")
+
+
+@pytest.fixture
+def native(monkeypatch):
+    """The C loops for this test only; eager torch before and after."""
+    for name in ("native", "compiled"):
+        monkeypatch.setattr(codec._Kernels, name, getattr(codec._Kernels, name))
+    assert codec.compile_kernels(SHAPE, torch.bfloat16)
+    assert codec._Kernels.native
+    yield
+    monkeypatch.setattr(codec._Kernels, "native", False)
+
+
+def eager(fn, *args):
+    was = codec._Kernels.native
+    codec._Kernels.native = False
+    try:
+        return fn(*args)
+    finally:
+        codec._Kernels.native = was
+
+
+def hard_kv(dtype, seed=0):
+    """Outlier channels, values across 20 binades (fp8 subnormals included), an all-zero
+    token, exact ±448 after scaling, round-to-even ties in the normal and subnormal range."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(SHAPE, generator=g) * torch.exp2(
+        torch.randint(-14, 6, (SHAPE[-1],), generator=g).float()
+    )
+    k[..., [3, 17]] *= 20.0
+    v = torch.randn(SHAPE, generator=g)
+    v[1, 1, 5, :] = 0.0
+    # one V token whose amax is 448 (scale 1): its values are the codes' own grid
+    ties = [448.0, -448.0, 1.0625, 1.1875, -1.0625, 2.0**-10, 3 * 2.0**-10, -(2.0**-10)]
+    ties += [2.0**-7 + 2.0**-11, 240.0 + 8.0, 0.0, -0.0]
+    v[0, 0, 0, : len(ties)] = torch.tensor(ties)
+    return k.to(dtype), v.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_payloads_and_values_are_the_eager_kernels_bytes(native, dtype):
+    k, v = hard_kv(dtype)
+    want = eager(codec.encode, k, v, "fp8")
+    got = codec.encode(k, v, "fp8")
+    assert bytes(got) == bytes(want)
+    want_k, want_v = eager(codec.decode, want)
+    for device in (None, "cpu"):
+        got_k, got_v = codec.decode(want, device)
+        assert got_k.dtype == dtype and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    many, error = codec.decode_many([want, codec.encode(*hard_kv(dtype, seed=1), "fp8")] * 2)
+    assert error is None and len(many) == 4 and many.stacked[0].shape == (4, *SHAPE)
+    assert torch.equal(many[0][0], want_k) and torch.equal(many[2][1], want_v)
+    other_k, other_v = eager(codec.decode, codec.encode(*hard_kv(dtype, seed=1), "fp8"))
+    assert torch.equal(many[3][0], other_k) and torch.equal(many[1][1], other_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_code_decodes_as_torch_converts_it(native, dtype):
+    codes = torch.arange(256, dtype=torch.uint8).reshape(1, 1, 4, 64)
+    scale = torch.tensor([1.0, 0.5, 3.0, 1e-3]).reshape(1, 1, 4)
+    out = torch.empty(codes.shape, dtype=dtype)
+    fp8_cpu.decode_into(codes, scale, out, per_token=True)
+    want = (codes.view(torch.float8_e4m3fn).float() * scale.unsqueeze(-1)).to(dtype)
+    nan = want.isnan()
+    assert torch.equal(out.isnan(), nan) and nan.sum() == 2  # 0x7F and 0xFF
+    assert torch.equal(out[~nan], want[~nan])
+
+
+def test_nan_and_inf_in_the_cache_spoil_only_their_own_slice_as_eager(native):
+    k, v = hard_kv(torch.float32)
+    k[0, 0, 2, 7], v[1, 0, 3, 9], v[2, 1, 4, 0] = float("nan"), float("inf"), float("-inf")
+    got = codec.decode(codec.encode(k, v, "fp8"))
+    want = eager(codec.decode, eager(codec.encode, k, v, "fp8"))
+    for g, w in zip(got, want):
+        # which values are NaN is the same; the NaNs' sign and payload bits are torch's own
+        assert torch.equal(g.isnan(), w.isnan()) and torch.equal(g[~g.isnan()], w[~w.isnan()])
+    assert got[0][0, 0, :, 7].isnan().all() and got[0][0, 0, :, 6].isfinite().all()
+    assert got[1][1, 0, 3].isnan().all() and got[1][1, 0, 2].isfinite().all()
+
+
+def test_mismatched_buffers_are_refused_before_any_write(native):
+    x = torch.randn(SHAPE)
+    codes, scale = torch.zeros(SHAPE, dtype=torch.uint8), torch.zeros(3, 2, 16)
+    with pytest.raises(ValueError, match="sizes"):
+        fp8_cpu.encode_into(x, codes, scale, per_token=False)  # per channel wants [3, 2, 64]
+    with pytest.raises(ValueError, match="sizes"):
+        fp8_cpu.decode_into(codes[:1], scale, torch.empty(SHAPE), per_token=True)
+    assert not codes.any() and not scale.any()
+
+
+def test_one_build_per_source_and_none_without_a_compiler(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("KVSTORE_CACHE_DIR", str(tmp_path / "cache"))
+    fp8_cpu._open()
+    (built,) = (tmp_path / "cache").iterdir()
+    stamp = built.stat().st_mtime_ns
+    fp8_cpu._open()
+    assert list((tmp_path / "cache").iterdir()) == [built]
+    assert built.stat().st_mtime_ns == stamp  # loaded, not rebuilt
+
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(fp8_cpu, "_state", {})
+    with caplog.at_level(logging.WARNING, logger="kvstore.core.fp8_cpu"):
+        assert fp8_cpu.load() is None
+    assert "no C compiler" in caplog.text and os.environ["PATH"] == str(empty)
