@@ -190,8 +190,8 @@ def _encode_fp8_native(k: torch.Tensor, v: torch.Tensor, header: ChunkHeader) ->
     k_codes, v_codes, k_scale, v_scale = _fp8_parts(
         torch.frombuffer(out, dtype=torch.uint8)[HEADER_BYTES:], k.shape
     )
-    fp8_cpu.encode_into(k, k_codes, k_scale, per_token=False)
-    fp8_cpu.encode_into(v, v_codes, v_scale, per_token=True)
+    calls = fp8_cpu.encode_calls(k, k_codes, k_scale, per_token=False)
+    fp8_cpu.run(calls + fp8_cpu.encode_calls(v, v_codes, v_scale, per_token=True))
     seal_payload(header, out)
     return out
 
@@ -260,10 +260,12 @@ def decode_many(
     if _native(device):  # each chunk straight into its slot of the batch, no stacking
         dtype = _TORCH_DTYPES[header.src_dtype]
         k, v = (torch.empty((len(raws), *shape), dtype=dtype) for _ in range(2))
+        calls = []  # every chunk's, spread over the cores in one hand-off
         for i, raw in enumerate(raws):
             k_codes, v_codes, k_scale, v_scale = _fp8_parts(raw, shape)
-            fp8_cpu.decode_into(k_codes, k_scale, k[i], per_token=False)
-            fp8_cpu.decode_into(v_codes, v_scale, v[i], per_token=True)
+            calls += fp8_cpu.decode_calls(k_codes, k_scale, k[i], per_token=False)
+            calls += fp8_cpu.decode_calls(v_codes, v_scale, v[i], per_token=True)
+        fp8_cpu.run(calls)
         out = DecodedChunks((k[i], v[i]) for i in range(len(raws)))
         out.stacked = (k, v)
         return out, error
@@ -303,8 +305,8 @@ def _decode_parsed(
     k_codes, v_codes, k_scale, v_scale = _fp8_parts(raw, shape)
     if _native(device):
         k, v = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
-        fp8_cpu.decode_into(k_codes, k_scale, k, per_token=False)
-        fp8_cpu.decode_into(v_codes, v_scale, v, per_token=True)
+        calls = fp8_cpu.decode_calls(k_codes, k_scale, k, per_token=False)
+        fp8_cpu.run(calls + fp8_cpu.decode_calls(v_codes, v_scale, v, per_token=True))
         return k, v
     layers, heads, tokens, dim = shape
     k_codes, v_codes = (c.view(FP8).reshape(shape) for c in (k_codes, v_codes))

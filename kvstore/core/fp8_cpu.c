@@ -1,8 +1,10 @@
 /* fp8 (e4m3fn) quantisation of K/V on the CPU, bit for bit what kvstore.core.codec's
  * eager torch kernels produce, in one pass over memory with loops the compiler vectorises.
  *
- * Built once per host by kvstore/core/fp8_cpu.py (cc -O3 -march=native -fopenmp) and
- * called through ctypes, which lets the GIL go for the call.
+ * Built once per host by kvstore/core/fp8_cpu.py (cc -O3 -march=native) and called
+ * through ctypes, which lets the GIL go for the call: the caller splits a large tensor
+ * between threads by ranges of `outer` (no OpenMP here: its spinning pool fought the
+ * engine's threads, 13 ms for a 16K-token load against 6 on one thread).
  *
  * A tensor is seen as [outer, tokens, dim] (outer = chunks x layers x kv_heads), one scale
  * per column of a [tokens, dim] slab (K: per channel, scale[outer][dim]) or per row
@@ -140,46 +142,22 @@ DEFINE(F32, f32)
 DEFINE(BF16, bf16)
 DEFINE(F16, f16)
 
-typedef struct { int64_t start, count; } share_t;
-
-static inline share_t share(int64_t outer, int index, int parts) {
-    int64_t each = outer / parts, extra = outer % parts;
-    share_t s = {index * each + (index < extra ? index : extra), each + (index < extra)};
-    return s;
-}
-
 int kv_fp8_encode(const void *x, int dtype, uint8_t *codes, float *scale, int64_t outer,
-                  int64_t tokens, int64_t dim, int per_token, int threads) {
-    if (dtype != F32 && dtype != BF16 && dtype != F16) return -1;
-    const int64_t esize = dtype == F32 ? 4 : 2, sstride = per_token ? tokens : dim;
-    if (threads < 1) threads = 1;
-#pragma omp parallel for num_threads(threads) schedule(static, 1)
-    for (int i = 0; i < threads; i++) {
-        share_t s = share(outer, i, threads);
-        const char *xs = (const char *)x + s.start * tokens * dim * esize;
-        uint8_t *cs = codes + s.start * tokens * dim;
-        float *ss = scale + s.start * sstride;
-        if (dtype == BF16) encode_bf16(xs, cs, ss, s.count, tokens, dim, per_token, esize);
-        else if (dtype == F16) encode_f16(xs, cs, ss, s.count, tokens, dim, per_token, esize);
-        else encode_f32(xs, cs, ss, s.count, tokens, dim, per_token, esize);
-    }
+                  int64_t tokens, int64_t dim, int per_token) {
+    const int64_t esize = dtype == F32 ? 4 : 2;
+    if (dtype == BF16) encode_bf16(x, codes, scale, outer, tokens, dim, per_token, esize);
+    else if (dtype == F16) encode_f16(x, codes, scale, outer, tokens, dim, per_token, esize);
+    else if (dtype == F32) encode_f32(x, codes, scale, outer, tokens, dim, per_token, esize);
+    else return -1;
     return 0;
 }
 
 int kv_fp8_decode(const uint8_t *codes, const float *scale, void *out, int dtype, int64_t outer,
-                  int64_t tokens, int64_t dim, int per_token, int threads) {
-    if (dtype != F32 && dtype != BF16 && dtype != F16) return -1;
-    const int64_t esize = dtype == F32 ? 4 : 2, sstride = per_token ? tokens : dim;
-    if (threads < 1) threads = 1;
-#pragma omp parallel for num_threads(threads) schedule(static, 1)
-    for (int i = 0; i < threads; i++) {
-        share_t s = share(outer, i, threads);
-        const uint8_t *cs = codes + s.start * tokens * dim;
-        const float *ss = scale + s.start * sstride;
-        char *os = (char *)out + s.start * tokens * dim * esize;
-        if (dtype == BF16) decode_bf16(cs, ss, os, s.count, tokens, dim, per_token, esize);
-        else if (dtype == F16) decode_f16(cs, ss, os, s.count, tokens, dim, per_token, esize);
-        else decode_f32(cs, ss, os, s.count, tokens, dim, per_token, esize);
-    }
+                  int64_t tokens, int64_t dim, int per_token) {
+    const int64_t esize = dtype == F32 ? 4 : 2;
+    if (dtype == BF16) decode_bf16(codes, scale, out, outer, tokens, dim, per_token, esize);
+    else if (dtype == F16) decode_f16(codes, scale, out, outer, tokens, dim, per_token, esize);
+    else if (dtype == F32) decode_f32(codes, scale, out, outer, tokens, dim, per_token, esize);
+    else return -1;
     return 0;
 }

@@ -13,6 +13,7 @@ the flags and the compiler, so a changed source or compiler never loads a stale 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -21,16 +22,20 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from kvstore.core.lanes import LANES, spread
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("fp8_cpu.c")
 # -fno-trapping-math: no FP exception flags are read, and without it GCC keeps the
 # conversions' selects scalar (decode 1.5 GB/s against 8 here); results are unchanged
-FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-fno-trapping-math"]
+FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-fno-trapping-math"]
+SPLIT_BYTES = 2 << 20  # values this large are split between lanes
 NATIVE = ["-march=native"]  # dropped where the compiler refuses it
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -83,8 +88,8 @@ def _open() -> ctypes.CDLL:
             errors.append(f"{' '.join(flags)}: {exc} {detail.decode(errors='replace')[-300:]}")
             continue
         i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-        lib.kv_fp8_encode.argtypes = [ptr, i32, ptr, ptr, i64, i64, i64, i32, i32]
-        lib.kv_fp8_decode.argtypes = [ptr, ptr, ptr, i32, i64, i64, i64, i32, i32]
+        lib.kv_fp8_encode.argtypes = [ptr, i32, ptr, ptr, i64, i64, i64, i32]
+        lib.kv_fp8_decode.argtypes = [ptr, ptr, ptr, i32, i64, i64, i64, i32]
         return lib
     raise RuntimeError("; ".join(errors))
 
@@ -114,35 +119,84 @@ def _slab(shape: torch.Size) -> tuple[int, int, int]:
     return count, tokens, dim
 
 
-def encode_into(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, per_token: bool) -> None:
-    """Quantise ``x`` ([..., tokens, dim], CPU, contiguous) into ``codes`` (uint8 or e4m3,
-    x's shape) and ``scale`` (float32: [..., tokens] per token, [..., dim] per channel)."""
-    lib = load()
-    outer, tokens, dim = _slab(x.shape)
+Call = tuple[Callable[[], object], int]  # a kernel call over a range of rows, bytes of values
+
+
+def _ranges(
+    kernel: Callable[[list[int], int], None],
+    ptrs: tuple[int, ...],
+    rows: tuple[int, ...],
+    values_row: int,
+    outer: int,
+) -> list[Call]:
+    """``kernel(pointers, count)`` over ``outer`` rows split into ranges, one per lane where
+    the tensor is large (``ptrs`` advance by ``rows`` bytes per row)."""
+    parts = min(LANES, outer) if outer * values_row >= SPLIT_BYTES else 1
+    calls: list[Call] = []
+    for i in range(parts):
+        lo, hi = outer * i // parts, outer * (i + 1) // parts
+        at = [p + lo * size for p, size in zip(ptrs, rows, strict=True)]
+        calls.append((functools.partial(kernel, at, hi - lo), (hi - lo) * values_row))
+    return calls
+
+
+def _check_sizes(values: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, per_token: bool):
+    outer, tokens, dim = _slab(values.shape)
     want = outer * (tokens if per_token else dim)
-    if codes.numel() != x.numel() or scale.numel() != want or scale.dtype != torch.float32:
-        raise ValueError("fp8 encode: output sizes do not match the input")
-    rc = lib.kv_fp8_encode(
-        x.data_ptr(), DTYPES[x.dtype], codes.data_ptr(), scale.data_ptr(),
-        outer, tokens, dim, int(per_token), torch.get_num_threads(),
-    )  # fmt: skip
-    if rc != 0:
-        raise ValueError(f"fp8 encode: unsupported dtype {x.dtype}")
+    if codes.numel() != values.numel() or scale.numel() != want or scale.dtype != torch.float32:
+        raise ValueError("fp8: codes or scales do not match the values' sizes")
+    if values.dtype not in DTYPES:
+        raise ValueError(f"fp8: unsupported dtype {values.dtype}")
+    return outer, tokens, dim
+
+
+def encode_calls(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, per_token: bool
+) -> list[Call]:
+    """The calls that quantise ``x`` ([..., tokens, dim], CPU, contiguous) into ``codes``
+    (one byte each, x's shape) and ``scale`` (float32: [..., tokens] per token, [..., dim]
+    per channel); ``run`` them."""
+    outer, tokens, dim = _check_sizes(x, codes, scale, per_token)
+    rows = (tokens * dim * x.element_size(), tokens * dim, 4 * (tokens if per_token else dim))
+    lib, dtype = load(), DTYPES[x.dtype]
+
+    def kernel(at: list[int], count: int) -> None:
+        if lib.kv_fp8_encode(at[0], dtype, at[1], at[2], count, tokens, dim, per_token) != 0:
+            raise ValueError(f"fp8 encode refused dtype {x.dtype}")
+
+    return _ranges(kernel, (x.data_ptr(), codes.data_ptr(), scale.data_ptr()), rows, rows[0], outer)
+
+
+def decode_calls(
+    codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, per_token: bool
+) -> list[Call]:
+    """The calls that dequantise ``codes`` with ``scale`` (as ``encode_calls`` lays them
+    out) into ``out`` (float32, bfloat16 or float16, codes' shape, contiguous)."""
+    outer, tokens, dim = _check_sizes(out, codes, scale, per_token)
+    rows = (tokens * dim, 4 * (tokens if per_token else dim), tokens * dim * out.element_size())
+    lib, dtype = load(), DTYPES[out.dtype]
+
+    def kernel(at: list[int], count: int) -> None:
+        if lib.kv_fp8_decode(at[0], at[1], at[2], dtype, count, tokens, dim, per_token) != 0:
+            raise ValueError(f"fp8 decode refused dtype {out.dtype}")
+
+    return _ranges(
+        kernel, (codes.data_ptr(), scale.data_ptr(), out.data_ptr()), rows, rows[2], outer
+    )
+
+
+def run(calls: list[Call]) -> None:
+    """The calls, spread over the host's cores where they are large enough to pay."""
+    spread([c for c, _ in calls], [w for _, w in calls])
+
+
+def encode_into(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, per_token: bool) -> None:
+    """``encode_calls``, run."""
+    run(encode_calls(x, codes, scale, per_token))
 
 
 def decode_into(
     codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, per_token: bool
 ) -> None:
-    """Dequantise ``codes`` with ``scale`` (as ``encode_into`` lays them out) into ``out``
-    (float32, bfloat16 or float16, codes' shape, contiguous)."""
-    lib = load()
-    outer, tokens, dim = _slab(out.shape)
-    want = outer * (tokens if per_token else dim)
-    if codes.numel() != out.numel() or scale.numel() != want or scale.dtype != torch.float32:
-        raise ValueError("fp8 decode: input sizes do not match the output")
-    rc = lib.kv_fp8_decode(
-        codes.data_ptr(), scale.data_ptr(), out.data_ptr(), DTYPES[out.dtype],
-        outer, tokens, dim, int(per_token), torch.get_num_threads(),
-    )  # fmt: skip
-    if rc != 0:
-        raise ValueError(f"fp8 decode: unsupported dtype {out.dtype}")
+    """``decode_calls``, run."""
+    run(decode_calls(codes, scale, out, per_token))
