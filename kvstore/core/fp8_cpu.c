@@ -70,6 +70,67 @@ static inline float scale_of(float amax) {
     return (amax < 1e-12f ? 1e-12f : amax) / 448.0f; /* NaN stays NaN */
 }
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* The encoder's conversion by hand for AVX2 (GCC's own vectorisation of e4m3() narrows
+ * its selects to bytes early and spills: 1.6 GB/s a core here). Same arithmetic, eight
+ * values at a time, 32 codes packed per store. Float32 and bfloat16 sources. */
+static inline __m256 load8(const void *x, int64_t i, int dtype) {
+    if (dtype == BF16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)x + i);
+}
+
+static inline __m256i e4m3x8(__m256 x, __m256 scale) {
+    const __m256i ones = _mm256_set1_epi32(1);
+    __m256 y = _mm256_div_ps(x, scale);
+    /* min/max return their second operand when either is NaN: a NaN y stays NaN */
+    y = _mm256_min_ps(_mm256_set1_ps(448.0f), _mm256_max_ps(_mm256_set1_ps(-448.0f), y));
+    __m256i b = _mm256_castps_si256(y);
+    __m256i a = _mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF));
+    __m256i sign = _mm256_and_si256(_mm256_srli_epi32(b, 24), _mm256_set1_epi32(0x80));
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), ones);
+    __m256i normal = _mm256_add_epi32(_mm256_add_epi32(a, _mm256_set1_epi32(0x7FFFF)), odd);
+    normal = _mm256_sub_epi32(_mm256_srli_epi32(normal, 20), _mm256_set1_epi32(960));
+    __m256 shifted = _mm256_add_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(16384.0f));
+    __m256i sub = _mm256_sub_epi32(_mm256_castps_si256(shifted), _mm256_set1_epi32(0x46800000));
+    __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3C800000), a);
+    __m256i code = _mm256_blendv_epi8(normal, sub, is_sub);
+    __m256i is_nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000));
+    code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F), is_nan);
+    return _mm256_or_si256(code, sign);
+}
+
+/* Codes for x[0:n) with scale[i] (per_col) or scale[0]; returns how many it did (a
+ * multiple of 32; 0 for float16, left to the plain loop). */
+static int64_t codes_fast(const void *x, int dtype, const float *scale, int per_col,
+                          uint8_t *c, int64_t n) {
+    if (dtype != F32 && dtype != BF16) return 0;
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256 one = _mm256_set1_ps(scale[0]);
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m256i q[4];
+        for (int j = 0; j < 4; j++) {
+            __m256 s = per_col ? _mm256_loadu_ps(scale + i + 8 * j) : one;
+            q[j] = e4m3x8(load8(x, i + 8 * j, dtype), s);
+        }
+        __m256i w = _mm256_packus_epi16(_mm256_packus_epi32(q[0], q[1]),
+                                        _mm256_packus_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(c + i), _mm256_permutevar8x32_epi32(w, order));
+    }
+    return i;
+}
+#else
+static inline int64_t codes_fast(const void *x, int dtype, const float *scale, int per_col,
+                                 uint8_t *c, int64_t n) {
+    (void)x, (void)dtype, (void)scale, (void)per_col, (void)c, (void)n;
+    return 0;
+}
+#endif
+
 /* Row kernels: one load, one store, no branches and restrict pointers, so that each
  * inner loop vectorises (the outer loops below only pick rows). */
 #define DEFINE(DT, NAME)                                                                  \
@@ -89,11 +150,13 @@ static inline float scale_of(float amax) {
     }                                                                                     \
     static void codes_one_##NAME(const void *restrict x, float s, uint8_t *restrict c,    \
                                  int64_t n) {                                             \
-        for (int64_t i = 0; i < n; i++) c[i] = e4m3(load(x, i, DT), s);                   \
+        for (int64_t i = codes_fast(x, DT, &s, 0, c, n); i < n; i++)                     \
+            c[i] = e4m3(load(x, i, DT), s);                                               \
     }                                                                                     \
     static void codes_cols_##NAME(const void *restrict x, const float *restrict s,        \
                                   uint8_t *restrict c, int64_t n) {                       \
-        for (int64_t i = 0; i < n; i++) c[i] = e4m3(load(x, i, DT), s[i]);                \
+        for (int64_t i = codes_fast(x, DT, s, 1, c, n); i < n; i++)                      \
+            c[i] = e4m3(load(x, i, DT), s[i]);                                            \
     }                                                                                     \
     static void values_one_##NAME(const uint8_t *restrict c, float s, void *restrict o,   \
                                   int64_t n) {                                            \
