@@ -108,12 +108,12 @@ def compile_kernels(shape: tuple[int, int, int, int], dtype: torch.dtype, device
 
     Returns False, leaving eager kernels in place, where neither works (no compiler).
     """
-    if torch.device(device or "cpu").type == "cpu" and not _Kernels.native:
-        if fp8_cpu.load() is not None and _native_agrees(shape, dtype):
-            _Kernels.native = True
-        elif fp8_cpu.load() is not None:
+    on_cpu = torch.device(device or "cpu").type == "cpu"
+    if on_cpu and not _Kernels.native and fp8_cpu.load() is not None:
+        _Kernels.native = _native_agrees(shape, dtype)
+        if not _Kernels.native:
             log.warning("fp8 CPU kernels disagree with torch's eager ones; not used")
-    if _Kernels.native and torch.device(device or "cpu").type == "cpu":
+    if on_cpu and _Kernels.native:
         return True
     if _Kernels.compiled:
         return True

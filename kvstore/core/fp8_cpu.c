@@ -205,22 +205,24 @@ DEFINE(F32, f32)
 DEFINE(BF16, bf16)
 DEFINE(F16, f16)
 
+typedef void (*encoder)(const char *, uint8_t *, float *, int64_t, int64_t, int64_t, int,
+                        int64_t);
+typedef void (*decoder)(const uint8_t *, const float *, char *, int64_t, int64_t, int64_t, int,
+                        int64_t);
+static const encoder ENCODERS[] = {encode_f32, encode_bf16, encode_f16}; /* by dtype */
+static const decoder DECODERS[] = {decode_f32, decode_bf16, decode_f16};
+static const int64_t ESIZE[] = {4, 2, 2};
+
 int kv_fp8_encode(const void *x, int dtype, uint8_t *codes, float *scale, int64_t outer,
                   int64_t tokens, int64_t dim, int per_token) {
-    const int64_t esize = dtype == F32 ? 4 : 2;
-    if (dtype == BF16) encode_bf16(x, codes, scale, outer, tokens, dim, per_token, esize);
-    else if (dtype == F16) encode_f16(x, codes, scale, outer, tokens, dim, per_token, esize);
-    else if (dtype == F32) encode_f32(x, codes, scale, outer, tokens, dim, per_token, esize);
-    else return -1;
+    if (dtype < F32 || dtype > F16) return -1;
+    ENCODERS[dtype](x, codes, scale, outer, tokens, dim, per_token, ESIZE[dtype]);
     return 0;
 }
 
 int kv_fp8_decode(const uint8_t *codes, const float *scale, void *out, int dtype, int64_t outer,
                   int64_t tokens, int64_t dim, int per_token) {
-    const int64_t esize = dtype == F32 ? 4 : 2;
-    if (dtype == BF16) decode_bf16(codes, scale, out, outer, tokens, dim, per_token, esize);
-    else if (dtype == F16) decode_f16(codes, scale, out, outer, tokens, dim, per_token, esize);
-    else if (dtype == F32) decode_f32(codes, scale, out, outer, tokens, dim, per_token, esize);
-    else return -1;
+    if (dtype < F32 || dtype > F16) return -1;
+    DECODERS[dtype](codes, scale, out, outer, tokens, dim, per_token, ESIZE[dtype]);
     return 0;
 }

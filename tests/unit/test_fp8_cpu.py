@@ -16,13 +16,10 @@ pytestmark = pytest.mark.skipif(fp8_cpu.load() is None, reason="no C compiler he
 
 @pytest.fixture
 def native(monkeypatch):
-    """The C loops for this test only; eager torch before and after."""
-    for name in ("native", "compiled"):
-        monkeypatch.setattr(codec._Kernels, name, getattr(codec._Kernels, name))
+    """The C loops for this test only; eager torch before and after (monkeypatch restores)."""
+    monkeypatch.setattr(codec._Kernels, "native", codec._Kernels.native)
     assert codec.compile_kernels(SHAPE, torch.bfloat16)
     assert codec._Kernels.native
-    yield
-    monkeypatch.setattr(codec._Kernels, "native", False)
 
 
 def eager(fn, *args):
