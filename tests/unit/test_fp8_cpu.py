@@ -89,6 +89,46 @@ def test_nan_and_inf_in_the_cache_spoil_only_their_own_slice_as_eager(native):
     assert got[1][1, 0, 3].isnan().all() and got[1][1, 0, 2].isfinite().all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quotients_next_to_a_rounding_tie_are_the_eager_kernels_codes(native, dtype):
+    """The loops skip the division (a reciprocal and two FMAs): values that land within a
+    few ulps of a rounding boundary of the e4m3 grid, under scales that are not powers
+    of two, where a plain reciprocal multiply picks the wrong code; odd head_dim too, so
+    the vector loops' tails run."""
+    g = torch.Generator().manual_seed(7)
+    grid = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    marks = torch.cat([grid, (grid[1:] + grid[:-1]) / 2])  # codes and the ties between them
+    shape = (4, 3, 24, 72)
+    amax = 1.0 + torch.rand(shape[0], shape[1], 1, 1, generator=g, dtype=torch.float64) * 30
+    x = marks[torch.randint(len(marks), shape, generator=g)] * amax.float().double() / 448
+    x = x.float()
+    ulps = torch.randint(-2, 3, shape, generator=g, dtype=torch.int32)
+    x = (x.view(torch.int32) + ulps * (x != 0)).view(torch.float32)
+    x[..., 0, :] = amax.float()[..., 0, :]  # every row and column reaches its amax ...
+    x[..., 0] = amax.float()[..., 0]
+    x = torch.where(torch.rand(shape, generator=g) < 0.5, -x, x).to(dtype)  # ... either sign
+    k, v = x, x.flip(2).contiguous()
+    assert bytes(codec.encode(k, v, "fp8")) == bytes(eager(codec.encode, k, v, "fp8"))
+
+
+def test_a_thread_that_flushes_subnormals_still_gets_exact_codes_and_values(native):
+    """fp8's subnormals are float32 subnormals inside the loops (times 2^-120): a caller
+    thread in flush-to-zero mode (``torch.set_flush_denormal``) must not change a byte."""
+    k, v = hard_kv(torch.float32)
+    want = codec.encode(k, v, "fp8")
+    want_k, want_v = codec.decode(want)
+    assert torch.set_flush_denormal(True)
+    try:
+        assert torch.tensor([1e-40]).mul(1.0).item() == 0.0  # this thread does flush
+        got = codec.encode(k, v, "fp8")  # small: runs on this thread, no lanes
+        got_k, got_v = codec.decode(want)
+    finally:
+        torch.set_flush_denormal(False)
+    assert bytes(got) == bytes(want)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    assert torch.tensor([1e-40]).mul(1.0).item() != 0.0  # the mode is the caller's again
+
+
 def test_mismatched_buffers_are_refused_before_any_write(native):
     x = torch.randn(SHAPE)
     codes, scale = torch.zeros(SHAPE, dtype=torch.uint8), torch.zeros(3, 2, 16)
