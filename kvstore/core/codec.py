@@ -147,8 +147,15 @@ def quantize_fp8(x: torch.Tensor, reduce_dim: int) -> tuple[torch.Tensor, torch.
     return _Kernels.quantize(x, reduce_dim)
 
 
-def encode(k: torch.Tensor, v: torch.Tensor, codec: str) -> bytearray:
-    """One chunk part as a payload (header + body)."""
+def _new_payload(nbytes: int) -> memoryview:
+    """Room for a payload the encoder fills whole (the body by the encoder, the header by
+    ``seal_payload``): not zeroed first, unlike a ``bytearray``, whose memset of a 4 MiB
+    chunk cost 0.18 ms of a 1.8 ms fp8 encode here."""
+    return memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy())
+
+
+def encode(k: torch.Tensor, v: torch.Tensor, codec: str) -> memoryview:
+    """One chunk part as a payload (header + body), a writable buffer of its own."""
     src = _check_kv(k, v)
     header = ChunkHeader(codec, src, *k.shape, body_len=expected_body_len(codec, src, k.shape))
     if codec == "fp8" and _Kernels.native and fp8_cpu.usable(k, v):
@@ -161,7 +168,7 @@ def encode(k: torch.Tensor, v: torch.Tensor, codec: str) -> bytearray:
         parts = [k_codes, v_codes, k_scale, v_scale]
     else:
         raise InvalidArgument(f"unknown codec {codec!r}; expected 'raw' or 'fp8'")
-    out = bytearray(HEADER_BYTES + header.body_len)
+    out = _new_payload(HEADER_BYTES + header.body_len)
     body = torch.frombuffer(out, dtype=torch.uint8)[HEADER_BYTES:]
     at = 0
     for part in parts:  # each part copied once, straight into the payload
@@ -184,9 +191,9 @@ def _fp8_parts(body: torch.Tensor, shape) -> tuple[torch.Tensor, ...]:
     )
 
 
-def _encode_fp8_native(k: torch.Tensor, v: torch.Tensor, header: ChunkHeader) -> bytearray:
+def _encode_fp8_native(k: torch.Tensor, v: torch.Tensor, header: ChunkHeader) -> memoryview:
     """fp8 through the C loops, codes and scales written straight into the payload."""
-    out = bytearray(HEADER_BYTES + header.body_len)
+    out = _new_payload(HEADER_BYTES + header.body_len)
     k_codes, v_codes, k_scale, v_scale = _fp8_parts(
         torch.frombuffer(out, dtype=torch.uint8)[HEADER_BYTES:], k.shape
     )
