@@ -9,9 +9,10 @@ block 32, chunk 256 tokens); a second ``WorkerHalf`` loads them into other block
 stage timed apart as the connector runs it: ``lookup`` (the scheduler's one Lookup with a
 lease), ``transfer`` (gRPC Get; on the same host only the GetShm that leases the chunks
 where the store keeps them), ``decode`` (``codec.decode_many``, reading shared memory in
-place; same-host ``raw`` chunks as one strided batch of views of the region), ``scatter``
-(into the paged blocks, all whole chunks of a layer in one copy; with the check that every
-chunk's slot still held it and the lease held). Each repeat loads a prefix of its own, so
+place; same-host ``raw`` chunks as one strided batch of views of the region; fp8 on the
+C loops only checked here, decoded in ``scatter``), ``scatter`` (into the paged blocks,
+all whole chunks of a layer in one copy, or fp8 decoded straight into them; with the check
+that every chunk's slot still held it and the lease held). Each repeat loads a prefix of its own, so
 its bytes are not in the CPU's caches (a 16K-token load is 16 MiB; the L3 here is 32 MiB:
 repeating one prefix measured copies 2-3x faster than an engine sees).
 Cases: transport ``tcp``, ``shm_copy`` (shared memory copied into a staging buffer first,
@@ -90,7 +91,7 @@ def profile(
         views = loader._shm_views(parts) if in_place else None
         payloads = views.views if views is not None else loader._fetch(parts)
         t2 = time.perf_counter()
-        decoded, _ = codec.decode_many(payloads)
+        decoded, _ = codec.decode_many(payloads, defer_fp8=loader._defer_fp8())
         decoded.stacked = decoded.stacked or loader._raw_stacked(0, decoded, views)
         t3 = time.perf_counter()
         loader.scatter(decoded, LoadSpec(f"p{r}", keys, list(range(blocks)), 0))

@@ -235,6 +235,35 @@ class CpuLayout(_BlockViews):
         v = v_raw.unflatten(-1, (d // g, n // 2, g, 2)).permute(0, 1, 3, 5, 2, 4)
         return k, v
 
+    def direct_strides(self, kv_layer: Tensor) -> tuple[int, ...] | None:
+        """Where K and V values lie in one block of a contiguous CPU cache, for writers that
+        skip the staging copy (``Fp8Batch.into_blocks``): (N, head stride, K token and dim
+        strides, V offset, V token and dim strides), in elements; None where the cache is
+        not such a tensor or the order is not strided (AMX)."""
+        if self.amx or kv_layer.device.type != "cpu" or not kv_layer.is_contiguous():
+            return None
+        if kv_layer.dim() != 4 or kv_layer.shape[3] != 2 * self.head_dim:
+            return None
+        _, _, n, c = kv_layer.shape
+        d = self.head_dim
+        return (n, n * c, 1, n, n * d, d, 1)  # K [D, N], then V [N, D] (see _views)
+
+    def write_fp8(
+        self, kv_layer: Tensor, block_ids: BlockIds, batch: Any, layer: int, first: int, last: int
+    ) -> bool:
+        """Decode layer ``layer`` of the fp8 chunks ``[first, last)`` of ``batch`` (an
+        ``Fp8Batch``) straight into the blocks ``block_ids`` (as many as their tokens fill),
+        with no staging copy; False, writing nothing, where this cache cannot take it so."""
+        strides = self.direct_strides(kv_layer)
+        if strides is None or kv_layer.dtype != batch.dtype:
+            return False
+        ids = kernel_block_ids(kv_layer, block_ids, self.block_size)
+        _, heads, n, c = kv_layer.shape
+        if ids.numel() * n != (last - first) * batch.shape[2]:
+            raise ValueError(f"{last - first} chunks do not fill {ids.numel()} blocks of {n}")
+        batch.into_blocks(layer, first, last, kv_layer, ids * (heads * n * c), strides)
+        return True
+
 
 class FlashLayout(_BlockViews):
     """GPU backends' cache: logical ``[num_blocks, num_kv_heads, N, 2 * head_dim]``.

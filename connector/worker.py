@@ -43,6 +43,7 @@ from connector.planner import MIN_STEP_TOKENS
 from kvstore.client.grpc_client import ShmViews
 from kvstore.client.shards import ShardedClient, connect
 from kvstore.core import codec
+from kvstore.core.fp8_blocks import Fp8Batch
 from kvstore.core.keys import Namespace, part_key
 from kvstore.core.payload import expected_body_len
 from kvstore.core.types import ChunkRecord
@@ -324,7 +325,7 @@ class WorkerHalf:
             payloads = views.views if views is not None else self._fetch(keys, slot)[: len(keys)]
             t1 = time.perf_counter()
             self._count("load_fetch_seconds", t1 - t0)
-            got, error = codec.decode_many(payloads)
+            got, error = codec.decode_many(payloads, defer_fp8=self._defer_fp8())
             self._check_shape(got)
             decoded = got
             stacked = got.stacked or self._raw_stacked(slot, got, views)
@@ -433,9 +434,19 @@ class WorkerHalf:
     def _check_shape(self, decoded: list) -> None:
         """A load's chunks share one shape (``decode_many``): it must be the engine's."""
         want = (self.ns.num_layers, self._heads(), self.config.chunk_tokens, self.ns.head_dim)
-        if decoded and tuple(decoded[0][0].shape) != want:
-            shape = tuple(decoded[0][0].shape)
-            raise ValueError(f"chunk shape {shape} does not match the engine's {want}")
+        if decoded:
+            shape = getattr(decoded, "shape", None) or tuple(decoded[0][0].shape)
+            if tuple(shape) != want:
+                raise ValueError(f"chunk shape {tuple(shape)} does not match the engine's {want}")
+
+    def _defer_fp8(self) -> bool:
+        """fp8 loads decode each layer straight into the cache's blocks where the layout
+        can take them so (a contiguous CPU cache in the non-AMX order): no batch, no
+        staging copy in between."""
+        return self.config.codec == "fp8" and all(
+            getattr(self._layout, "direct_strides", lambda _: None)(cache) is not None
+            for cache in self._layers
+        )
 
     def scatter(self, decoded: list[tuple[torch.Tensor, torch.Tensor]], spec: LoadSpec) -> None:
         """Write the decoded leading chunks of ``spec`` into its blocks, every layer."""
@@ -478,7 +489,15 @@ class WorkerHalf:
             part(decoded[j][0][layer][:, tokens], decoded[j][1][layer][:, tokens])
             for j, tokens in plan.cuts
         ]
-        if plan.whole:
+        if plan.whole and isinstance(stacked, Fp8Batch):
+            first, last = plan.whole
+            cut = sum(t.stop - t.start for _, t in plan.cuts) // self.block_size
+            if self._layout.write_fp8(cache, plan.ids[cut:], stacked, layer, first, last):
+                if parts:
+                    self._layout.scatter_many(cache, plan.ids[:cut], parts)
+                return
+            parts += [part(decoded[j][0][layer], decoded[j][1][layer]) for j in range(first, last)]
+        elif plan.whole:
             first, last = plan.whole
             parts.append(part(stacked[0][first:last, layer], stacked[1][first:last, layer]))
         self._layout.scatter_many(cache, plan.ids, parts)

@@ -21,6 +21,7 @@ import warnings
 import torch
 
 from kvstore.core import fp8_cpu
+from kvstore.core.fp8_blocks import DeferredChunk, Fp8Batch
 from kvstore.core.payload import (
     HEADER_BYTES,
     ChunkHeader,
@@ -231,20 +232,25 @@ def _native(device: torch.device | str | None) -> bool:
 
 class DecodedChunks(list):
     """``decode_many``'s answer: (K, V) per chunk; where they are slices of one batch
-    (fp8, two chunks or more), ``stacked`` is that batch, K and V ``[chunks, L, H, T, D]``."""
+    (fp8, two chunks or more), ``stacked`` is that batch, K and V ``[chunks, L, H, T, D]``;
+    with ``defer_fp8``, an ``Fp8Batch`` (not decoded yet; each chunk a ``DeferredChunk``).
+    ``shape`` is the chunks' ``(L, H, T, D)`` (None for no chunk)."""
 
-    stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+    stacked: tuple[torch.Tensor, torch.Tensor] | Fp8Batch | None = None
+    shape: tuple[int, int, int, int] | None = None
 
 
 def decode_many(
-    payloads, device: torch.device | str | None = None
+    payloads, device: torch.device | str | None = None, defer_fp8: bool = False
 ) -> tuple[DecodedChunks, PayloadError | None]:
     """``decode`` of a load's payloads, stopping at the first that is invalid or differs
     from the first in codec, dtype or shape: the (K, V) of those before it, and the error.
 
     fp8 chunks are dequantised in one call for all of them (``[chunks, L, H, T, D]``):
     per chunk, dispatching the kernels cost several times the arithmetic (16 chunks of
-    the ttft model: 0.9 ms batched against 3-6 ms one by one, here).
+    the ttft model: 0.9 ms batched against 3-6 ms one by one, here). With ``defer_fp8``,
+    where the CPU loops run them, fp8 chunks are only checked (header and checksum) and
+    ``stacked`` is an ``Fp8Batch`` that decodes each layer straight into a paged cache.
     """
     parsed: list[tuple[ChunkHeader, memoryview]] = []
     error: PayloadError | None = None
@@ -258,12 +264,28 @@ def decode_many(
             error = PayloadError(f"a load's chunks differ: {header} after {parsed[0][0]}")
             break
         parsed.append((header, body))
+    out = _decode_parsed_many(parsed, device, defer_fp8)
+    out.shape = parsed[0][0].shape if parsed else None
+    return out, error
+
+
+def _decode_parsed_many(parsed, device, defer_fp8: bool) -> DecodedChunks:
     if len(parsed) < 2 or parsed[0][0].codec != "fp8":
-        return DecodedChunks(_decode_parsed(h, b, device) for h, b in parsed), error
+        return DecodedChunks(_decode_parsed(h, b, device) for h, b in parsed)
     header = parsed[0][0]
     layers, heads, tokens, dim = shape = header.shape
     n, k_scales = layers * heads * tokens * dim, 4 * layers * heads * dim
     raws = [_body_tensor(body, copy=False) for _, body in parsed]
+    if _native(device) and defer_fp8:
+        batch = Fp8Batch(
+            raws,
+            shape,
+            _TORCH_DTYPES[header.src_dtype],
+            lambda j: _decode_parsed(*parsed[j], device),
+        )
+        out = DecodedChunks(DeferredChunk(batch, j) for j in range(len(raws)))
+        out.stacked = batch
+        return out
     if _native(device):  # each chunk straight into its slot of the batch, no stacking
         dtype = _TORCH_DTYPES[header.src_dtype]
         k, v = (torch.empty((len(raws), *shape), dtype=dtype) for _ in range(2))
@@ -275,7 +297,7 @@ def decode_many(
         fp8_cpu.run(calls)
         out = DecodedChunks((k[i], v[i]) for i in range(len(raws)))
         out.stacked = (k, v)
-        return out, error
+        return out
     if device is not None:
         raws = [r.to(device) for r in raws]
 
@@ -291,7 +313,7 @@ def decode_many(
     v = _Kernels.dequantize_many(v_codes, v_scale.reshape(count, layers, heads, tokens, 1), dtype)
     out = DecodedChunks((k[i], v[i]) for i in range(count))
     out.stacked = (k, v)
-    return out, error
+    return out
 
 
 def _decode_parsed(
@@ -327,6 +349,7 @@ __all__ = [
     "compile_kernels",
     "decode",
     "DecodedChunks",
+    "Fp8Batch",
     "decode_many",
     "dtype_name",
     "encode",

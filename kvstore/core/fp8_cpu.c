@@ -266,12 +266,66 @@ DEFINE(F32, f32)
 DEFINE(BF16, bf16)
 DEFINE(F16, f16)
 
+/* One layer of a load's chunks decoded straight into an engine's paged cache (no batch,
+ * no staging copy). geo = {chunks, heads, tokens, dim, block tokens N, head stride, K's
+ * token and dim strides, V's offset, token and dim strides}, in elements of the cache:
+ * chunk j's block i of head h starts at off[j * tokens / N + i] + h * head stride; ptrs
+ * holds per chunk the layer's K codes [H, T, D], V codes, K scales [H, D], V scales [H, T]. */
+#define DEFINE_BLOCKS(DT, NAME)                                                           \
+    static void blocks_##NAME(const int64_t *ptrs, const int64_t *off, char *out,         \
+                              const int64_t *g, int64_t esize) {                          \
+        const int64_t m = g[0], heads = g[1], T = g[2], D = g[3], N = g[4], sh = g[5];    \
+        const int64_t ksn = g[6], ksd = g[7], voff = g[8], vsn = g[9], vsd = g[10];       \
+        const int64_t nb = T / N;                                                         \
+        for (int64_t j = 0; j < m; j++) {                                                 \
+            const uint8_t *kc = (const uint8_t *)ptrs[4 * j];                             \
+            const uint8_t *vc = (const uint8_t *)ptrs[4 * j + 1];                         \
+            const float *ks = (const float *)ptrs[4 * j + 2];                             \
+            const float *vs = (const float *)ptrs[4 * j + 3];                             \
+            for (int64_t h = 0; h < heads; h++)                                           \
+                for (int64_t i = 0; i < nb; i++) {                                        \
+                    char *o = out + (off[j * nb + i] + h * sh) * esize;                   \
+                    const uint8_t *kb = kc + (h * T + i * N) * D;                         \
+                    const uint8_t *vb = vc + (h * T + i * N) * D;                         \
+                    const float *kh = ks + h * D, *vt = vs + h * T + i * N;               \
+                    if (ksn == 1) /* K stored [D, N]: a row per dim, written in order */  \
+                        for (int64_t d = 0; d < D; d++) {                                 \
+                            char *od = o + d * ksd * esize;                               \
+                            for (int64_t n = 0; n < N; n++)                               \
+                                store(od, n, e4m3_value(kb[n * D + d]) * kh[d], DT);      \
+                        }                                                                 \
+                    else if (ksd == 1)                                                    \
+                        for (int64_t n = 0; n < N; n++)                                   \
+                            values_cols_##NAME(kb + n * D, kh, o + n * ksn * esize, D);   \
+                    else                                                                  \
+                        for (int64_t n = 0; n < N; n++)                                   \
+                            for (int64_t d = 0; d < D; d++)                               \
+                                store(o, n * ksn + d * ksd,                               \
+                                      e4m3_value(kb[n * D + d]) * kh[d], DT);             \
+                    if (vsd == 1)                                                         \
+                        for (int64_t n = 0; n < N; n++)                                   \
+                            values_one_##NAME(vb + n * D, vt[n],                          \
+                                              o + (voff + n * vsn) * esize, D);           \
+                    else                                                                  \
+                        for (int64_t n = 0; n < N; n++)                                   \
+                            for (int64_t d = 0; d < D; d++)                               \
+                                store(o, voff + n * vsn + d * vsd,                        \
+                                      e4m3_value(vb[n * D + d]) * vt[n], DT);             \
+                }                                                                         \
+        }                                                                                 \
+    }
+DEFINE_BLOCKS(F32, f32)
+DEFINE_BLOCKS(BF16, bf16)
+DEFINE_BLOCKS(F16, f16)
+
 typedef void (*encoder)(const char *, uint8_t *, float *, int64_t, int64_t, int64_t, int,
                         int64_t);
 typedef void (*decoder)(const uint8_t *, const float *, char *, int64_t, int64_t, int64_t, int,
                         int64_t);
 static const encoder ENCODERS[] = {encode_f32, encode_bf16, encode_f16}; /* by dtype */
 static const decoder DECODERS[] = {decode_f32, decode_bf16, decode_f16};
+typedef void (*block_decoder)(const int64_t *, const int64_t *, char *, const int64_t *, int64_t);
+static const block_decoder BLOCK_DECODERS[] = {blocks_f32, blocks_bf16, blocks_f16};
 static const int64_t ESIZE[] = {4, 2, 2};
 
 /* Both directions make and read float32 subnormals (the e4m3 subnormals times 2^-120):
@@ -304,6 +358,15 @@ int kv_fp8_decode(const uint8_t *codes, const float *scale, void *out, int dtype
     if (dtype < F32 || dtype > F16) return -1;
     const unsigned int csr = exact_fp_begin();
     DECODERS[dtype](codes, scale, out, outer, tokens, dim, per_token, ESIZE[dtype]);
+    exact_fp_end(csr);
+    return 0;
+}
+
+int kv_fp8_decode_blocks(const int64_t *ptrs, const int64_t *off, void *out, int dtype,
+                         const int64_t *geo) {
+    if (dtype < F32 || dtype > F16 || geo[4] <= 0 || geo[2] % geo[4]) return -1;
+    const unsigned int csr = exact_fp_begin();
+    BLOCK_DECODERS[dtype](ptrs, off, out, geo, ESIZE[dtype]);
     exact_fp_end(csr);
     return 0;
 }

@@ -90,6 +90,7 @@ def _open() -> ctypes.CDLL:
         i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
         lib.kv_fp8_encode.argtypes = [ptr, i32, ptr, ptr, i64, i64, i64, i32]
         lib.kv_fp8_decode.argtypes = [ptr, ptr, ptr, i32, i64, i64, i64, i32]
+        lib.kv_fp8_decode_blocks.argtypes = [ptr, ptr, ptr, i32, ptr]
         return lib
     raise RuntimeError("; ".join(errors))
 
@@ -183,6 +184,52 @@ def decode_calls(
     return _ranges(
         kernel, (codes.data_ptr(), scale.data_ptr(), out.data_ptr()), rows, rows[2], outer
     )
+
+
+def decode_blocks_calls(
+    ptrs: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor, geometry: tuple[int, ...]
+) -> list[Call]:
+    """The calls that decode one layer of a load's fp8 chunks straight into the blocks of
+    an engine's cache ``out`` (CPU, contiguous): ``ptrs`` int64 ``[chunks, 4]``, per chunk
+    the addresses of the layer's K codes ``[H, T, D]``, V codes, K scales ``[H, D]`` and V
+    scales ``[H, T]``; ``offsets`` int64, per chunk its ``T / N`` blocks' first elements in
+    ``out``; ``geometry`` = (heads, T, D, N, head stride, K token stride, K dim stride, V
+    offset, V token stride, V dim stride) in elements. Every value written is checked to
+    lie inside ``out`` first (ValueError)."""
+    heads, tokens, dim, n, sh, ksn, ksd, voff, vsn, vsd = geometry
+    chunks = ptrs.shape[0]
+    if out.dtype not in DTYPES or not usable(out) or n <= 0 or tokens % n:
+        raise ValueError("fp8 blocks: unsupported cache or geometry")
+    per_chunk = tokens // n
+    if ptrs.shape != (chunks, 4) or offsets.numel() != chunks * per_chunk:
+        raise ValueError("fp8 blocks: pointers or offsets do not match the chunks")
+    if ptrs.dtype != torch.int64 or offsets.dtype != torch.int64 or not offsets.is_contiguous():
+        raise ValueError("fp8 blocks: pointers and offsets must be contiguous int64")
+    strides = (sh, ksn, ksd, voff, vsn, vsd)
+    extent = (heads - 1) * sh + max(
+        (n - 1) * ksn + (dim - 1) * ksd, voff + (n - 1) * vsn + (dim - 1) * vsd
+    )
+    if chunks and (
+        min(strides) < 0 or int(offsets.min()) < 0 or int(offsets.max()) + extent >= out.numel()
+    ):
+        raise ValueError("fp8 blocks: a block would be written outside the cache")
+    ptrs = ptrs.contiguous()
+    lib, dtype = load(), DTYPES[out.dtype]
+    values_chunk = 2 * heads * tokens * dim * out.element_size()
+    parts = min(LANES, chunks) if chunks * values_chunk >= SPLIT_BYTES else 1
+    calls: list[Call] = []
+    for i in range(parts):
+        lo, hi = chunks * i // parts, chunks * (i + 1) // parts
+        geo = torch.tensor([hi - lo, heads, tokens, dim, n, *strides], dtype=torch.int64)
+
+        def kernel(lo=lo, geo=geo) -> None:
+            at_ptrs = ptrs.data_ptr() + lo * 4 * 8
+            at_off = offsets.data_ptr() + lo * per_chunk * 8
+            if lib.kv_fp8_decode_blocks(at_ptrs, at_off, out.data_ptr(), dtype, geo.data_ptr()):
+                raise ValueError(f"fp8 blocks decode refused dtype {out.dtype}")
+
+        calls.append((kernel, (hi - lo) * values_chunk))
+    return calls
 
 
 def run(calls: list[Call]) -> None:

@@ -217,3 +217,55 @@ def test_fp8_loads_land_as_each_chunk_decoded_alone_would(store_address):  # noq
         assert torch.equal(dst[name][target[0]], paged_cache(num_blocks=32, seed=20)[name][7])
         assert all(torch.equal(dst[name][b], want[name][b]) for b in target[1:])
     w.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_fp8_loads_on_the_c_loops_decode_into_the_blocks_as_alone(
+    store_address,  # noqa: F811
+    monkeypatch,
+    transport,
+    layerwise,
+):
+    """With the C loops, a load's whole fp8 chunks are decoded straight into the cache's
+    blocks (no batch, no staging copy) and the first, cut chunk through a decode of its
+    own: the blocks hold what decoding each chunk alone and scattering it gives, read in
+    place in shared memory or fetched over TCP, whole or layer by layer."""
+    monkeypatch.setattr(codec._Kernels, "native", codec._Kernels.native)
+    src = paged_cache(num_blocks=32, seed=23)
+    saver = worker(store_address, src, codec="fp8", compile_codec=True, transport=transport)
+    keys = chunk_keys(NS.digest(), list(range(9000, 9000 + 4 * CHUNK)), CHUNK)
+    saver.save(KVStoreMetadata(saves=[SaveSpec("s", keys, None, list(range(8)))]))
+    assert saver.flush(10)
+    saver.close()
+    if not codec._Kernels.native:
+        pytest.skip("no C compiler: the torch kernels run, tested above")
+    dst = paged_cache(num_blocks=32, seed=24)
+    w = worker(
+        store_address,
+        dst,
+        codec="fp8",
+        compile_codec=True,
+        transport=transport,
+        load_layerwise=layerwise,
+    )
+    assert w._defer_fp8()
+    target = [20, 9, 8, 30, 3, 2, 11, 17]
+    w.load(KVStoreMetadata(loads=[LoadSpec("r", keys, target, 1)]))
+    assert w.load_errors() == set()
+    assert w.counters.loaded_chunks == 4
+    want = paged_cache(num_blocks=32, seed=24)
+    layout = CpuLayout(BLOCK, DIM)
+    with KVStoreClient(store_address) as c:
+        payloads = c.get([part_key(k, 0, 1) for k in keys])
+    for j, payload in enumerate(payloads):  # one chunk at a time, the slow way
+        k, v = codec.decode(payload)
+        for i, name in enumerate(LAYER_NAMES):
+            layout.scatter(want[name], target[2 * j : 2 * j + 2], k[i], v[i])
+    untouched = paged_cache(num_blocks=32, seed=24)
+    for name in LAYER_NAMES:
+        assert torch.equal(dst[name][target[0]], untouched[name][20])  # vLLM's own block
+        assert all(torch.equal(dst[name][b], want[name][b]) for b in target[1:])
+        others = [b for b in range(32) if b not in target]
+        assert torch.equal(dst[name][others], untouched[name][others])
+    w.close()

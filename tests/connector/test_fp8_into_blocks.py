@@ -1,0 +1,83 @@
+"""fp8 chunks decoded straight into a CPU cache's blocks (``CpuLayout.write_fp8``, no batch
+and no staging copy) write exactly what decoding each chunk and scattering it writes, touch
+no other block, and refuse what they cannot place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from connector.layouts import CpuLayout
+from kvstore.core import codec, fp8_cpu
+
+pytestmark = pytest.mark.skipif(fp8_cpu.load() is None, reason="no C compiler here")
+
+LAYERS, H, T, D, N, BLOCKS = 2, 2, 64, 32, 32, 12
+
+
+@pytest.fixture
+def native(monkeypatch):
+    monkeypatch.setattr(codec._Kernels, "native", codec._Kernels.native)
+    assert codec.compile_kernels((LAYERS, H, T, D), torch.float32)
+    assert codec._Kernels.native
+
+
+def payloads(dtype, count, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        k = torch.randn(LAYERS, H, T, D, generator=g) * torch.exp2(torch.randn(D, generator=g) * 4)
+        v = torch.randn(LAYERS, H, T, D, generator=g)
+        out.append(codec.encode(k.to(dtype), v.to(dtype), "fp8"))
+    return out
+
+
+def cache(dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(BLOCKS, H, N, 2 * D, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_each_layer_lands_as_decoding_and_scattering_each_chunk_would(native, dtype):
+    layout = CpuLayout(N, D)
+    chunks = payloads(dtype, 3)
+    got, error = codec.decode_many(chunks, defer_fp8=True)
+    assert error is None and isinstance(got.stacked, codec.Fp8Batch)
+    assert got.shape == (LAYERS, H, T, D)
+    blocks = [9, 2, 7, 0]  # chunks 1 and 2, two blocks each, out of order
+    want, have = cache(dtype), cache(dtype)
+    for layer in range(LAYERS):
+        assert layout.write_fp8(have, blocks, got.stacked, layer, 1, 3)
+        for j in (1, 2):
+            k, v = codec.decode(chunks[j])
+            layout.scatter(want, blocks[2 * (j - 1) : 2 * j], k[layer], v[layer])
+        assert torch.equal(have, want), f"layer {layer}"  # every other block untouched too
+    # a chunk asked for whole (a load cut inside it) decodes on its own, as decode does
+    k0, v0 = got[0]
+    assert torch.equal(k0, codec.decode(chunks[0])[0]) and torch.equal(
+        v0, codec.decode(chunks[0])[1]
+    )
+
+
+def test_what_cannot_be_placed_is_refused_before_any_write(native):
+    layout = CpuLayout(N, D)
+    got, _ = codec.decode_many(payloads(torch.float32, 2), defer_fp8=True)
+    batch, untouched = got.stacked, cache(torch.float32)
+    kv = cache(torch.float32)
+    # AMX packing is not strided; a cache of another dtype; a transposed (non-contiguous) view
+    assert not CpuLayout(N, D, amx=True).write_fp8(kv, [0, 1], batch, 0, 0, 1)
+    assert not layout.write_fp8(kv.to(torch.bfloat16), [0, 1], batch, 0, 0, 1)
+    assert not layout.write_fp8(
+        kv.transpose(0, 1).contiguous().transpose(0, 1), [0, 1], batch, 0, 0, 1
+    )
+    with pytest.raises(ValueError, match="do not fill"):
+        layout.write_fp8(kv, [0, 1, 2], batch, 0, 0, 1)
+    with pytest.raises(IndexError):
+        layout.write_fp8(kv, [0, BLOCKS], batch, 0, 0, 1)
+    strides = layout.direct_strides(kv)
+    block = H * N * 2 * D
+    with pytest.raises(ValueError, match="outside the cache"):  # the last block runs off the end
+        batch.into_blocks(0, 0, 1, kv, torch.tensor([0, BLOCKS * block - 1]), strides)
+    with pytest.raises(ValueError, match="outside the cache"):
+        batch.into_blocks(0, 0, 1, kv, torch.tensor([-block, 0]), strides)
+    assert torch.equal(kv, untouched)
