@@ -44,6 +44,9 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from kvstore.core import fp8_cpu
+from kvstore.core.fp8_blocks import raw_into_blocks
+
 BlockIds = Sequence[int] | Tensor
 
 # ISAs whose CPU cache block order is K [D, N], V [N, D] (vLLM's "VEC" reshape_and_cache).
@@ -263,6 +266,20 @@ class CpuLayout(_BlockViews):
             raise ValueError(f"{last - first} chunks do not fill {ids.numel()} blocks of {n}")
         batch.into_blocks(layer, first, last, kv_layer, ids * (heads * n * c), strides)
         return True
+
+    def write_raw(self, kv_layer: Tensor, block_ids: BlockIds, k: Tensor, v: Tensor) -> bool:
+        """``scatter_many`` of one stacked part, K and V ``[chunks, H, T, D]`` of the cache's
+        dtype (each chunk contiguous, as a load's chunks lie in their payloads), copied
+        straight into the blocks ``block_ids`` with no staging copy; False, writing
+        nothing, where the cache or the part is not such (then ``scatter_many`` does it)."""
+        strides = self.direct_strides(kv_layer)
+        if strides is None or k.dim() != 4 or fp8_cpu.load() is None:
+            return False
+        ids = kernel_block_ids(kv_layer, block_ids, self.block_size)
+        _, heads, n, c = kv_layer.shape
+        if ids.numel() * n != k.shape[0] * k.shape[2] or k.shape[2] % n:
+            raise ValueError(f"K/V of {k.shape[0]} chunks do not fill {ids.numel()} blocks of {n}")
+        return raw_into_blocks(k, v, kv_layer, ids * (heads * n * c), strides)
 
 
 class FlashLayout(_BlockViews):

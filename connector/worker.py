@@ -479,7 +479,8 @@ class WorkerHalf:
 
     def _scatter_layer(self, layer: int, decoded: list, plan: _Plan, stacked=None) -> None:
         """One layer of every planned chunk in one indexed copy (a copy per chunk and layer
-        cost more than its bytes); the whole chunks of a ``stacked`` batch as one part."""
+        cost more than its bytes); the whole chunks of a ``stacked`` batch as one part,
+        written straight into the blocks where the layout can (``_write_whole``)."""
         cache = self._layers[layer]
 
         def part(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -489,18 +490,29 @@ class WorkerHalf:
             part(decoded[j][0][layer][:, tokens], decoded[j][1][layer][:, tokens])
             for j, tokens in plan.cuts
         ]
-        if plan.whole and isinstance(stacked, Fp8Batch):
+        if plan.whole:
             first, last = plan.whole
             cut = sum(t.stop - t.start for _, t in plan.cuts) // self.block_size
-            if self._layout.write_fp8(cache, plan.ids[cut:], stacked, layer, first, last):
+            if self._write_whole(cache, plan.ids[cut:], stacked, layer, first, last):
                 if parts:
                     self._layout.scatter_many(cache, plan.ids[:cut], parts)
                 return
-            parts += [part(decoded[j][0][layer], decoded[j][1][layer]) for j in range(first, last)]
-        elif plan.whole:
-            first, last = plan.whole
-            parts.append(part(stacked[0][first:last, layer], stacked[1][first:last, layer]))
+            if isinstance(stacked, Fp8Batch):  # each chunk decoded alone, then copied
+                parts += [
+                    part(decoded[j][0][layer], decoded[j][1][layer]) for j in range(first, last)
+                ]
+            else:
+                parts.append(part(stacked[0][first:last, layer], stacked[1][first:last, layer]))
         self._layout.scatter_many(cache, plan.ids, parts)
+
+    def _write_whole(self, cache, ids: list[int], stacked, layer: int, first: int, last: int):
+        """Layer ``layer`` of the whole chunks ``[first, last)`` straight into their blocks
+        (fp8 decoded, raw copied; no staging copy); False where the layout cannot."""
+        if isinstance(stacked, Fp8Batch):
+            return self._layout.write_fp8(cache, ids, stacked, layer, first, last)
+        write_raw = getattr(self._layout, "write_raw", None)
+        k, v = stacked[0][first:last, layer], stacked[1][first:last, layer]
+        return write_raw is not None and write_raw(cache, ids, k, v)
 
     def _heads(self) -> int:
         return self.ns.num_kv_heads // self.tp if self.ns.num_kv_heads >= self.tp else 1

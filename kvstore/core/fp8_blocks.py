@@ -1,11 +1,12 @@
-"""A load's fp8 chunks, checked but not decoded: each layer is decoded later straight into
-an engine's paged cache (``Fp8Batch.into_blocks``), with no batch in between.
+"""A load's chunks written straight into an engine's paged CPU cache, a layer at a time.
 
-Offers ``Fp8Batch`` (built by ``codec.decode_many(..., defer_fp8=True)``) and
-``DeferredChunk``, one chunk of it that decodes itself on first use, for the callers that
-want a chunk's (K, V) after all (a chunk only partly loaded). Decoding into a batch first
-and copying that into the cache cost a full write and read of the decoded bytes more than
-a ``raw`` load, which is copied once.
+Offers ``Fp8Batch`` (built by ``codec.decode_many(..., defer_fp8=True)``: fp8 chunks,
+checked but not decoded, each layer decoded later straight into the blocks by
+``into_blocks``), ``DeferredChunk`` (one chunk of it that decodes itself on first use, for
+callers that want a chunk's (K, V) after all: a chunk only partly loaded) and
+``raw_into_blocks`` (raw chunks copied so). Decoding into a batch first, or staging the
+blocks in engine order and then copying them in with one indexed copy, cost a full
+write and read of the bytes more than this.
 """
 
 from __future__ import annotations
@@ -89,3 +90,29 @@ class DeferredChunk:
 
     def __len__(self) -> int:
         return 2
+
+
+def raw_into_blocks(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    offsets: torch.Tensor,
+    strides: tuple[int, ...],
+) -> bool:
+    """One layer of raw chunks, K and V ``[chunks, H, T, D]`` (each chunk's ``[H, T, D]``
+    contiguous, of the cache's dtype, on the CPU), copied into the blocks of ``cache`` as
+    ``Fp8Batch.into_blocks`` places them; False, writing nothing, where they are not so."""
+    m, heads, tokens, dim = k.shape
+    inner = (tokens * dim, dim, 1)
+    for x in (k, v):
+        if x.shape != k.shape or x.dtype != cache.dtype or x.device.type != "cpu":
+            return False
+        if m and tuple(x.stride()[1:]) != inner:
+            return False
+    size = k.element_size()
+    rows = torch.arange(m, dtype=torch.int64)
+    ptrs = torch.stack(
+        [k.data_ptr() + rows * k.stride(0) * size, v.data_ptr() + rows * v.stride(0) * size], dim=1
+    )
+    fp8_cpu.run(fp8_cpu.copy_blocks_calls(ptrs, offsets, cache, (heads, tokens, dim, *strides)))
+    return True

@@ -370,3 +370,41 @@ int kv_fp8_decode_blocks(const int64_t *ptrs, const int64_t *off, void *out, int
     exact_fp_end(csr);
     return 0;
 }
+
+/* The same placement for raw chunks (no codec): chunk j's layer K and V, [H, T, D] values of
+ * the cache's own type (2 or 4 bytes), at ptrs[2 j] and ptrs[2 j + 1], copied into the blocks
+ * geo and off describe (as kv_fp8_decode_blocks), with no staging copy. */
+#define DEFINE_COPY(TYPE)                                                                 \
+    static void copy_blocks_##TYPE(const int64_t *ptrs, const int64_t *off, TYPE *out,    \
+                                   const int64_t *g) {                                    \
+        const int64_t m = g[0], heads = g[1], T = g[2], D = g[3], N = g[4], sh = g[5];    \
+        const int64_t ksn = g[6], ksd = g[7], voff = g[8], vsn = g[9], vsd = g[10];       \
+        const int64_t nb = T / N;                                                         \
+        for (int64_t j = 0; j < m; j++)                                                   \
+            for (int64_t h = 0; h < heads; h++)                                           \
+                for (int64_t i = 0; i < nb; i++) {                                        \
+                    TYPE *o = out + off[j * nb + i] + h * sh;                             \
+                    const TYPE *kb = (const TYPE *)ptrs[2 * j] + (h * T + i * N) * D;     \
+                    const TYPE *vb = (const TYPE *)ptrs[2 * j + 1] + (h * T + i * N) * D; \
+                    for (int64_t d = 0; d < D; d++)                                       \
+                        for (int64_t n = 0; n < N; n++)                                   \
+                            o[n * ksn + d * ksd] = kb[n * D + d];                         \
+                    if (vsd == 1 && vsn == D)                                             \
+                        memcpy(o + voff, vb, (size_t)(N * D) * sizeof(TYPE));             \
+                    else                                                                  \
+                        for (int64_t n = 0; n < N; n++)                                   \
+                            for (int64_t d = 0; d < D; d++)                               \
+                                o[voff + n * vsn + d * vsd] = vb[n * D + d];              \
+                }                                                                         \
+    }
+DEFINE_COPY(uint16_t)
+DEFINE_COPY(uint32_t)
+
+int kv_copy_blocks(const int64_t *ptrs, const int64_t *off, void *out, int64_t esize,
+                   const int64_t *geo) {
+    if (geo[4] <= 0 || geo[2] % geo[4]) return -1;
+    if (esize == 2) copy_blocks_uint16_t(ptrs, off, out, geo);
+    else if (esize == 4) copy_blocks_uint32_t(ptrs, off, out, geo);
+    else return -1;
+    return 0;
+}

@@ -4,6 +4,8 @@ that ``torch.compile`` needs anyway, loaded with ctypes, bit for bit the eager k
 torch's inductor leaves e4m3 conversions scalar on CPU (1-2 GB/s here, against 7+ for
 these loops vectorised by the compiler). ``load()`` returns None, and the codec keeps its
 torch kernels, where no compiler is found or the build fails; the reason is logged once.
+The same library places a load's chunks straight into a paged CPU cache's blocks
+(``decode_blocks_calls`` for fp8, ``copy_blocks_calls`` for raw; see ``fp8_blocks``).
 
 The shared object is cached under ``$KVSTORE_CACHE_DIR`` (default ``~/.cache/kvstore``,
 or a folder in the temp dir where that cannot be written), named by a hash of the source,
@@ -91,6 +93,7 @@ def _open() -> ctypes.CDLL:
         lib.kv_fp8_encode.argtypes = [ptr, i32, ptr, ptr, i64, i64, i64, i32]
         lib.kv_fp8_decode.argtypes = [ptr, ptr, ptr, i32, i64, i64, i64, i32]
         lib.kv_fp8_decode_blocks.argtypes = [ptr, ptr, ptr, i32, ptr]
+        lib.kv_copy_blocks.argtypes = [ptr, ptr, ptr, i64, ptr]
         return lib
     raise RuntimeError("; ".join(errors))
 
@@ -196,15 +199,44 @@ def decode_blocks_calls(
     ``out``; ``geometry`` = (heads, T, D, N, head stride, K token stride, K dim stride, V
     offset, V token stride, V dim stride) in elements. Every value written is checked to
     lie inside ``out`` first (ValueError)."""
+    lib, dtype = load(), DTYPES.get(out.dtype)
+
+    def kernel(at_ptrs: int, at_off: int, geo: int) -> int:
+        return lib.kv_fp8_decode_blocks(at_ptrs, at_off, out.data_ptr(), dtype, geo)
+
+    return _block_calls(kernel, 4, ptrs, offsets, out, geometry)
+
+
+def copy_blocks_calls(
+    ptrs: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor, geometry: tuple[int, ...]
+) -> list[Call]:
+    """``decode_blocks_calls`` for ``raw`` chunks: ``ptrs`` int64 ``[chunks, 2]``, per chunk
+    the addresses of the layer's K and V ``[H, T, D]`` in ``out``'s own dtype, copied."""
+    lib = load()
+
+    def kernel(at_ptrs: int, at_off: int, geo: int) -> int:
+        return lib.kv_copy_blocks(at_ptrs, at_off, out.data_ptr(), out.element_size(), geo)
+
+    return _block_calls(kernel, 2, ptrs, offsets, out, geometry)
+
+
+def _block_calls(
+    kernel: Callable[[int, int, int], int],
+    width: int,
+    ptrs: torch.Tensor,
+    offsets: torch.Tensor,
+    out: torch.Tensor,
+    geometry: tuple[int, ...],
+) -> list[Call]:
     heads, tokens, dim, n, sh, ksn, ksd, voff, vsn, vsd = geometry
     chunks = ptrs.shape[0]
     if out.dtype not in DTYPES or not usable(out) or n <= 0 or tokens % n:
-        raise ValueError("fp8 blocks: unsupported cache or geometry")
+        raise ValueError("paged blocks: unsupported cache or geometry")
     per_chunk = tokens // n
-    if ptrs.shape != (chunks, 4) or offsets.numel() != chunks * per_chunk:
-        raise ValueError("fp8 blocks: pointers or offsets do not match the chunks")
+    if ptrs.shape != (chunks, width) or offsets.numel() != chunks * per_chunk:
+        raise ValueError("paged blocks: pointers or offsets do not match the chunks")
     if ptrs.dtype != torch.int64 or offsets.dtype != torch.int64 or not offsets.is_contiguous():
-        raise ValueError("fp8 blocks: pointers and offsets must be contiguous int64")
+        raise ValueError("paged blocks: pointers and offsets must be contiguous int64")
     strides = (sh, ksn, ksd, voff, vsn, vsd)
     extent = (heads - 1) * sh + max(
         (n - 1) * ksn + (dim - 1) * ksd, voff + (n - 1) * vsn + (dim - 1) * vsd
@@ -212,9 +244,8 @@ def decode_blocks_calls(
     if chunks and (
         min(strides) < 0 or int(offsets.min()) < 0 or int(offsets.max()) + extent >= out.numel()
     ):
-        raise ValueError("fp8 blocks: a block would be written outside the cache")
+        raise ValueError("paged blocks: a block would be written outside the cache")
     ptrs = ptrs.contiguous()
-    lib, dtype = load(), DTYPES[out.dtype]
     values_chunk = 2 * heads * tokens * dim * out.element_size()
     parts = min(LANES, chunks) if chunks * values_chunk >= SPLIT_BYTES else 1
     calls: list[Call] = []
@@ -222,13 +253,13 @@ def decode_blocks_calls(
         lo, hi = chunks * i // parts, chunks * (i + 1) // parts
         geo = torch.tensor([hi - lo, heads, tokens, dim, n, *strides], dtype=torch.int64)
 
-        def kernel(lo=lo, geo=geo) -> None:
-            at_ptrs = ptrs.data_ptr() + lo * 4 * 8
+        def call(lo=lo, geo=geo) -> None:
+            at_ptrs = ptrs.data_ptr() + lo * width * 8
             at_off = offsets.data_ptr() + lo * per_chunk * 8
-            if lib.kv_fp8_decode_blocks(at_ptrs, at_off, out.data_ptr(), dtype, geo.data_ptr()):
-                raise ValueError(f"fp8 blocks decode refused dtype {out.dtype}")
+            if kernel(at_ptrs, at_off, geo.data_ptr()) != 0:
+                raise ValueError(f"paged blocks: the kernel refused {out.dtype}")
 
-        calls.append((kernel, (hi - lo) * values_chunk))
+        calls.append((call, (hi - lo) * values_chunk))
     return calls
 
 

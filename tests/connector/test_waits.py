@@ -158,9 +158,9 @@ def test_a_producer_that_dies_leaves_the_others_computing_after_its_reservation_
     store_address,
 ):
     a = half(store_address, reserve_ttl_s=0.3)
-    b = half(store_address, wait_timeout_s=30.0)
-    assert a.matched_tokens(request("a", PROMPT), 0) == 0  # a reserves, then dies
+    b = half(store_address, wait_timeout_s=30.0)  # connected first: it asks within the ttl
     rb = request("b", PROMPT)
+    assert a.matched_tokens(request("a", PROMPT), 0) == 0  # a reserves, then dies
     t0 = time.monotonic()
     answers = []
     while time.monotonic() - t0 < 10:

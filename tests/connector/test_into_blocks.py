@@ -1,6 +1,7 @@
-"""fp8 chunks decoded straight into a CPU cache's blocks (``CpuLayout.write_fp8``, no batch
-and no staging copy) write exactly what decoding each chunk and scattering it writes, touch
-no other block, and refuse what they cannot place."""
+"""A load's chunks written straight into a CPU cache's blocks, with no batch and no staging
+copy (``CpuLayout.write_fp8`` decodes fp8 chunks, ``write_raw`` copies raw ones): exactly
+what decoding each chunk and scattering it writes, no other block touched, and what they
+cannot place refused before anything is written."""
 
 from __future__ import annotations
 
@@ -80,4 +81,44 @@ def test_what_cannot_be_placed_is_refused_before_any_write(native):
         batch.into_blocks(0, 0, 1, kv, torch.tensor([0, BLOCKS * block - 1]), strides)
     with pytest.raises(ValueError, match="outside the cache"):
         batch.into_blocks(0, 0, 1, kv, torch.tensor([-block, 0]), strides)
+    assert torch.equal(kv, untouched)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_raw_chunks_lying_a_payload_apart_land_as_scatter_puts_them(dtype):
+    """Chunks as a same-host load sees them: ``[chunks, L, H, T, D]`` views one payload
+    apart (a header and a gap between chunks), one layer written with one call."""
+    layout = CpuLayout(N, D)
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(3, LAYERS, H, T, D, generator=g).to(dtype) for _ in range(2))
+    stride = 2 * LAYERS * H * T * D + 64  # a payload's stride, larger than its K and V
+    flat = torch.zeros(3 * stride, dtype=dtype)
+    for j in range(3):
+        flat[j * stride : j * stride + LAYERS * H * T * D] = k[j].reshape(-1)
+        flat[j * stride + LAYERS * H * T * D : j * stride + 2 * LAYERS * H * T * D] = v[j].reshape(
+            -1
+        )
+    shape, strides = (3, LAYERS, H, T, D), (stride, H * T * D, T * D, D, 1)
+    ks = flat.as_strided(shape, strides, 0)
+    vs = flat.as_strided(shape, strides, LAYERS * H * T * D)
+    assert not ks.is_contiguous()
+    blocks = [5, 1, 10, 3, 8, 0]
+    for layer in range(LAYERS):
+        want, have = cache(dtype), cache(dtype)
+        assert layout.write_raw(have, blocks, ks[:, layer], vs[:, layer])
+        layout.scatter_many(want, blocks, [(ks[:, layer], vs[:, layer])])
+        assert torch.equal(have, want)
+
+
+def test_raw_parts_that_cannot_be_copied_so_are_left_to_scatter_many():
+    layout = CpuLayout(N, D)
+    k = torch.randn(2, H, T, D)
+    kv, untouched = cache(torch.float32), cache(torch.float32)
+    assert not CpuLayout(N, D, amx=True).write_raw(
+        kv.bfloat16(), [0, 1, 2, 3], k.bfloat16(), k.bfloat16()
+    )
+    assert not layout.write_raw(kv, [0, 1, 2, 3], k.double(), k.double())  # another dtype
+    assert not layout.write_raw(kv, [0, 1, 2, 3], k.transpose(2, 3).contiguous().transpose(2, 3), k)
+    with pytest.raises(ValueError, match="do not fill"):
+        layout.write_raw(kv, [0, 1, 2], k, k)
     assert torch.equal(kv, untouched)
