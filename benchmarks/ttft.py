@@ -200,6 +200,7 @@ class Bench(ModelBench):
         }
         # per request, ms: engine queue, prefill (Lookup, load and forward), outside
         self.split: dict[str, dict[int, list[tuple[float, float, float]]]] = {}
+        self.loads: dict[str, dict[int, list[float]]] = {}  # load, fetch, decode ms, summed
 
     def start(self) -> dict:
         """The store, then the servers (five, six with ``--layerwise-too``; started together)."""
@@ -327,6 +328,12 @@ class Bench(ModelBench):
         prefill = after[f"{pf}_sum"] - before.get(f"{pf}_sum", 0.0)
         split = self.split.setdefault(config, {}).setdefault(length, [])
         split.append((queue * 1e3, prefill * 1e3, (ttft_s - queue - prefill) * 1e3))
+        # the connector's own time for the load, as its counters report it (a report can
+        # come a step late, so these are summed per configuration, not per request)
+        loads = self.loads.setdefault(config, {}).setdefault(length, [0.0, 0.0, 0.0])
+        for i, name in enumerate(("load_seconds", "load_fetch_seconds", "load_decode_seconds")):
+            key = f"vllm:kvstore_{name}_total"
+            loads[i] += 1e3 * (after.get(key, 0.0) - before.get(key, 0.0))
 
     def store_hits(self) -> int:
         return sum(t.hits for t in self.client.stats().tiers)
@@ -478,6 +485,17 @@ def main() -> None:
                 for n, v in by_length.items()
             }
             for c, by_length in bench.split.items()
+        },
+        "connector_load_ms_per_request": {  # the connector's counters, load/fetch/decode
+            c: {
+                str(n): {
+                    part: round(v[i] / args.requests, 2)
+                    for i, part in enumerate(("load", "fetch", "decode"))
+                }
+                for n, v in by_length.items()
+            }
+            for c, by_length in bench.loads.items()
+            if c.startswith("kvstore")
         },
         "planner": args.planner,
         "planner_computed": {

@@ -193,6 +193,20 @@ def test_a_load_that_starts_inside_a_chunk_writes_exactly_its_blocks(store_addre
     w.close()
 
 
+def loaded_the_slow_way(address: str, keys, target: list[int], seed: int) -> dict:
+    """The cache ``paged_cache(seed)`` with the stored chunks of ``keys`` written into
+    ``target`` (two blocks a chunk) one chunk at a time: fetched, decoded, scattered."""
+    want = paged_cache(num_blocks=32, seed=seed)
+    layout = CpuLayout(BLOCK, DIM)
+    with KVStoreClient(address) as c:
+        payloads = c.get([part_key(k, 0, 1) for k in keys])
+    for j, payload in enumerate(payloads):
+        k, v = codec.decode(payload)
+        for i, name in enumerate(LAYER_NAMES):
+            layout.scatter(want[name], target[2 * j : 2 * j + 2], k[i], v[i])
+    return want
+
+
 def test_fp8_loads_land_as_each_chunk_decoded_alone_would(store_address):  # noqa: F811
     src = paged_cache(num_blocks=32, seed=19)
     saver = worker(store_address, src, codec="fp8", compile_codec=False)
@@ -205,14 +219,7 @@ def test_fp8_loads_land_as_each_chunk_decoded_alone_would(store_address):  # noq
     target = [7, 6, 5, 4, 3, 2]
     w.load(KVStoreMetadata(loads=[LoadSpec("r", keys, target, 1)]))
     assert w.load_errors() == set()
-    want = paged_cache(num_blocks=32, seed=20)
-    layout = CpuLayout(BLOCK, DIM)
-    with KVStoreClient(store_address) as c:
-        payloads = c.get([part_key(k, 0, 1) for k in keys])
-    for j, payload in enumerate(payloads):  # one chunk at a time, the slow way
-        k, v = codec.decode(payload)
-        for i, name in enumerate(LAYER_NAMES):
-            layout.scatter(want[name], target[2 * j : 2 * j + 2], k[i], v[i])
+    want = loaded_the_slow_way(store_address, keys, target, seed=20)
     for name in LAYER_NAMES:
         assert torch.equal(dst[name][target[0]], paged_cache(num_blocks=32, seed=20)[name][7])
         assert all(torch.equal(dst[name][b], want[name][b]) for b in target[1:])
@@ -254,14 +261,7 @@ def test_fp8_loads_on_the_c_loops_decode_into_the_blocks_as_alone(
     w.load(KVStoreMetadata(loads=[LoadSpec("r", keys, target, 1)]))
     assert w.load_errors() == set()
     assert w.counters.loaded_chunks == 4
-    want = paged_cache(num_blocks=32, seed=24)
-    layout = CpuLayout(BLOCK, DIM)
-    with KVStoreClient(store_address) as c:
-        payloads = c.get([part_key(k, 0, 1) for k in keys])
-    for j, payload in enumerate(payloads):  # one chunk at a time, the slow way
-        k, v = codec.decode(payload)
-        for i, name in enumerate(LAYER_NAMES):
-            layout.scatter(want[name], target[2 * j : 2 * j + 2], k[i], v[i])
+    want = loaded_the_slow_way(store_address, keys, target, seed=24)
     untouched = paged_cache(num_blocks=32, seed=24)
     for name in LAYER_NAMES:
         assert torch.equal(dst[name][target[0]], untouched[name][20])  # vLLM's own block
