@@ -62,9 +62,11 @@ class Fp8Batch:
         chunks' dtype): ``offsets`` (int64) the first element of each of their blocks of
         ``N`` tokens, in order; ``strides`` = (N, head stride, K token and dim strides, V
         offset, V token and dim strides) in elements (``CpuLayout.direct_strides``)."""
-        _, heads, tokens, dim = self.shape
+        layers, heads, tokens, dim = self.shape
         if cache.dtype != self.dtype:
             raise ValueError(f"fp8 blocks: cache is {cache.dtype}, the chunks {self.dtype}")
+        if not (0 <= layer < layers and 0 <= first <= last <= len(self.bodies)):
+            raise ValueError(f"fp8 blocks: no layer {layer} of chunks [{first}, {last})")
         ptrs = self._base[first:last] + layer * self._step
         geometry = (heads, tokens, dim, *strides)
         fp8_cpu.run(fp8_cpu.decode_blocks_calls(ptrs, offsets, cache, geometry))

@@ -77,6 +77,10 @@ def test_what_cannot_be_placed_is_refused_before_any_write(native):
         layout.write_fp8(kv, [0, BLOCKS], batch, 0, 0, 1)
     strides = layout.direct_strides(kv)
     block = H * N * 2 * D
+    with pytest.raises(ValueError, match="no layer"):  # nothing read outside the chunks
+        batch.into_blocks(LAYERS, 0, 1, kv, torch.tensor([0, block]), strides)
+    with pytest.raises(ValueError, match="no layer"):
+        batch.into_blocks(0, 1, 3, kv, torch.tensor([0, block, 2 * block, 3 * block]), strides)
     with pytest.raises(ValueError, match="outside the cache"):  # the last block runs off the end
         batch.into_blocks(0, 0, 1, kv, torch.tensor([0, BLOCKS * block - 1]), strides)
     with pytest.raises(ValueError, match="outside the cache"):
