@@ -91,7 +91,7 @@ def profile(
         views = loader._shm_views(parts) if in_place else None
         payloads = views.views if views is not None else loader._fetch(parts)
         t2 = time.perf_counter()
-        decoded, _ = codec.decode_many(payloads, defer_fp8=loader._defer_fp8())
+        decoded, _ = codec.decode_many(payloads, defer_fp8=loader._defer_fp8)
         decoded.stacked = decoded.stacked or loader._raw_stacked(0, decoded, views)
         t3 = time.perf_counter()
         loader.scatter(decoded, LoadSpec(f"p{r}", keys, list(range(blocks)), 0))

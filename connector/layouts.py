@@ -260,11 +260,8 @@ class CpuLayout(_BlockViews):
         strides = self.direct_strides(kv_layer)
         if strides is None or kv_layer.dtype != batch.dtype:
             return False
-        ids = kernel_block_ids(kv_layer, block_ids, self.block_size)
-        _, heads, n, c = kv_layer.shape
-        if ids.numel() * n != (last - first) * batch.shape[2]:
-            raise ValueError(f"{last - first} chunks do not fill {ids.numel()} blocks of {n}")
-        batch.into_blocks(layer, first, last, kv_layer, ids * (heads * n * c), strides)
+        offsets = self._block_offsets(kv_layer, block_ids, last - first, batch.shape[2])
+        batch.into_blocks(layer, first, last, kv_layer, offsets, strides)
         return True
 
     def write_raw(self, kv_layer: Tensor, block_ids: BlockIds, k: Tensor, v: Tensor) -> bool:
@@ -275,11 +272,19 @@ class CpuLayout(_BlockViews):
         strides = self.direct_strides(kv_layer)
         if strides is None or k.dim() != 4 or fp8_cpu.load() is None:
             return False
+        offsets = self._block_offsets(kv_layer, block_ids, k.shape[0], k.shape[2])
+        return raw_into_blocks(k, v, kv_layer, offsets, strides)
+
+    def _block_offsets(
+        self, kv_layer: Tensor, block_ids: BlockIds, chunks: int, tokens: int
+    ) -> Tensor:
+        """The first element of each of ``block_ids``' kernel blocks, which ``chunks`` chunks
+        of ``tokens`` tokens must fill exactly (ValueError)."""
         ids = kernel_block_ids(kv_layer, block_ids, self.block_size)
         _, heads, n, c = kv_layer.shape
-        if ids.numel() * n != k.shape[0] * k.shape[2] or k.shape[2] % n:
-            raise ValueError(f"K/V of {k.shape[0]} chunks do not fill {ids.numel()} blocks of {n}")
-        return raw_into_blocks(k, v, kv_layer, ids * (heads * n * c), strides)
+        if ids.numel() * n != chunks * tokens or tokens % n:
+            raise ValueError(f"{chunks} chunks do not fill {ids.numel()} blocks of {n}")
+        return ids * (heads * n * c)
 
 
 class FlashLayout(_BlockViews):

@@ -135,6 +135,7 @@ class WorkerHalf:
         self.counters = WorkerCounters()
         self._layers: list[torch.Tensor] = []
         self._layout = None
+        self._defer_fp8 = False  # set by register
         self._staging: dict[object, torch.Tensor] = {}  # same-host loads land here, per slot
         self._layer_index: dict[str, int] = {}
         self._layerwise = False
@@ -172,6 +173,12 @@ class WorkerHalf:
                 f"{self.ns.num_layers}"
             )
         self._layout = self._layout_for(self._layers[0], names[0])
+        # fp8 loads decode each layer straight into the blocks where the layout can take
+        # them so (a contiguous CPU cache in the non-AMX order): no batch, no staging copy
+        direct = getattr(self._layout, "direct_strides", lambda _: None)
+        self._defer_fp8 = self.config.codec == "fp8" and all(
+            direct(cache) is not None for cache in self._layers
+        )
         self._layer_index = {n: i for i, n in enumerate(names)}
         # not on a GPU yet: the copies would need ordering against the engine's stream
         # (blocks it zeroes before the loads), and no test here can run that
@@ -325,7 +332,7 @@ class WorkerHalf:
             payloads = views.views if views is not None else self._fetch(keys, slot)[: len(keys)]
             t1 = time.perf_counter()
             self._count("load_fetch_seconds", t1 - t0)
-            got, error = codec.decode_many(payloads, defer_fp8=self._defer_fp8())
+            got, error = codec.decode_many(payloads, defer_fp8=self._defer_fp8)
             self._check_shape(got)
             decoded = got
             stacked = got.stacked or self._raw_stacked(slot, got, views)
@@ -438,15 +445,6 @@ class WorkerHalf:
             shape = getattr(decoded, "shape", None) or tuple(decoded[0][0].shape)
             if tuple(shape) != want:
                 raise ValueError(f"chunk shape {tuple(shape)} does not match the engine's {want}")
-
-    def _defer_fp8(self) -> bool:
-        """fp8 loads decode each layer straight into the cache's blocks where the layout
-        can take them so (a contiguous CPU cache in the non-AMX order): no batch, no
-        staging copy in between."""
-        return self.config.codec == "fp8" and all(
-            getattr(self._layout, "direct_strides", lambda _: None)(cache) is not None
-            for cache in self._layers
-        )
 
     def scatter(self, decoded: list[tuple[torch.Tensor, torch.Tensor]], spec: LoadSpec) -> None:
         """Write the decoded leading chunks of ``spec`` into its blocks, every layer."""

@@ -86,7 +86,6 @@ static inline float scale_of(float amax) {
  *    for every x that is not NaN: the scale is positive). */
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#define FAST_SIMD 1
 
 static inline __m256 load8(const void *x, int64_t i, int dtype) {
     const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
@@ -270,13 +269,14 @@ DEFINE(F16, f16)
  * no staging copy). geo = {chunks, heads, tokens, dim, block tokens N, head stride, K's
  * token and dim strides, V's offset, token and dim strides}, in elements of the cache:
  * chunk j's block i of head h starts at off[j * tokens / N + i] + h * head stride; ptrs
- * holds per chunk the layer's K codes [H, T, D], V codes, K scales [H, D], V scales [H, T]. */
+ * holds per chunk the layer's K codes [H, T, D], V codes, K scales [H, D], V scales [H, T].
+ * The order is vLLM's CPU "VEC" one: K [D, N] (token stride 1: a row per dim) and V [N, D]
+ * (dim stride 1, token stride D: its rows abut); kv_place_ok refuses any other. */
 #define DEFINE_BLOCKS(DT, NAME)                                                           \
     static void blocks_##NAME(const int64_t *ptrs, const int64_t *off, char *out,         \
                               const int64_t *g, int64_t esize) {                          \
         const int64_t m = g[0], heads = g[1], T = g[2], D = g[3], N = g[4], sh = g[5];    \
-        const int64_t ksn = g[6], ksd = g[7], voff = g[8], vsn = g[9], vsd = g[10];       \
-        const int64_t nb = T / N;                                                         \
+        const int64_t ksd = g[7], voff = g[8], vsn = g[9], nb = T / N;                    \
         for (int64_t j = 0; j < m; j++) {                                                 \
             const uint8_t *kc = (const uint8_t *)ptrs[4 * j];                             \
             const uint8_t *vc = (const uint8_t *)ptrs[4 * j + 1];                         \
@@ -288,29 +288,13 @@ DEFINE(F16, f16)
                     const uint8_t *kb = kc + (h * T + i * N) * D;                         \
                     const uint8_t *vb = vc + (h * T + i * N) * D;                         \
                     const float *kh = ks + h * D, *vt = vs + h * T + i * N;               \
-                    if (ksn == 1) /* K stored [D, N]: a row per dim, written in order */  \
-                        for (int64_t d = 0; d < D; d++) {                                 \
-                            char *od = o + d * ksd * esize;                               \
-                            for (int64_t n = 0; n < N; n++)                               \
-                                store(od, n, e4m3_value(kb[n * D + d]) * kh[d], DT);      \
-                        }                                                                 \
-                    else if (ksd == 1)                                                    \
+                    for (int64_t d = 0; d < D; d++) {                                     \
+                        char *od = o + d * ksd * esize;                                   \
                         for (int64_t n = 0; n < N; n++)                                   \
-                            values_cols_##NAME(kb + n * D, kh, o + n * ksn * esize, D);   \
-                    else                                                                  \
-                        for (int64_t n = 0; n < N; n++)                                   \
-                            for (int64_t d = 0; d < D; d++)                               \
-                                store(o, n * ksn + d * ksd,                               \
-                                      e4m3_value(kb[n * D + d]) * kh[d], DT);             \
-                    if (vsd == 1)                                                         \
-                        for (int64_t n = 0; n < N; n++)                                   \
-                            values_one_##NAME(vb + n * D, vt[n],                          \
-                                              o + (voff + n * vsn) * esize, D);           \
-                    else                                                                  \
-                        for (int64_t n = 0; n < N; n++)                                   \
-                            for (int64_t d = 0; d < D; d++)                               \
-                                store(o, voff + n * vsn + d * vsd,                        \
-                                      e4m3_value(vb[n * D + d]) * vt[n], DT);             \
+                            store(od, n, e4m3_value(kb[n * D + d]) * kh[d], DT);          \
+                    }                                                                     \
+                    for (int64_t n = 0; n < N; n++)                                       \
+                        values_one_##NAME(vb + n * D, vt[n], o + (voff + n * vsn) * esize, D); \
                 }                                                                         \
         }                                                                                 \
     }
@@ -362,9 +346,14 @@ int kv_fp8_decode(const uint8_t *codes, const float *scale, void *out, int dtype
     return 0;
 }
 
+/* The geometry the block writers take: whole blocks, the VEC order (see DEFINE_BLOCKS). */
+static int kv_place_ok(const int64_t *geo) {
+    return geo[4] > 0 && geo[2] % geo[4] == 0 && geo[6] == 1 && geo[10] == 1 && geo[9] == geo[3];
+}
+
 int kv_fp8_decode_blocks(const int64_t *ptrs, const int64_t *off, void *out, int dtype,
                          const int64_t *geo) {
-    if (dtype < F32 || dtype > F16 || geo[4] <= 0 || geo[2] % geo[4]) return -1;
+    if (dtype < F32 || dtype > F16 || !kv_place_ok(geo)) return -1;
     const unsigned int csr = exact_fp_begin();
     BLOCK_DECODERS[dtype](ptrs, off, out, geo, ESIZE[dtype]);
     exact_fp_end(csr);
@@ -378,8 +367,7 @@ int kv_fp8_decode_blocks(const int64_t *ptrs, const int64_t *off, void *out, int
     static void copy_blocks_##TYPE(const int64_t *ptrs, const int64_t *off, TYPE *out,    \
                                    const int64_t *g) {                                    \
         const int64_t m = g[0], heads = g[1], T = g[2], D = g[3], N = g[4], sh = g[5];    \
-        const int64_t ksn = g[6], ksd = g[7], voff = g[8], vsn = g[9], vsd = g[10];       \
-        const int64_t nb = T / N;                                                         \
+        const int64_t ksd = g[7], voff = g[8], nb = T / N;                                \
         for (int64_t j = 0; j < m; j++)                                                   \
             for (int64_t h = 0; h < heads; h++)                                           \
                 for (int64_t i = 0; i < nb; i++) {                                        \
@@ -388,13 +376,8 @@ int kv_fp8_decode_blocks(const int64_t *ptrs, const int64_t *off, void *out, int
                     const TYPE *vb = (const TYPE *)ptrs[2 * j + 1] + (h * T + i * N) * D; \
                     for (int64_t d = 0; d < D; d++)                                       \
                         for (int64_t n = 0; n < N; n++)                                   \
-                            o[n * ksn + d * ksd] = kb[n * D + d];                         \
-                    if (vsd == 1 && vsn == D)                                             \
-                        memcpy(o + voff, vb, (size_t)(N * D) * sizeof(TYPE));             \
-                    else                                                                  \
-                        for (int64_t n = 0; n < N; n++)                                   \
-                            for (int64_t d = 0; d < D; d++)                               \
-                                o[voff + n * vsn + d * vsd] = vb[n * D + d];              \
+                            o[d * ksd + n] = kb[n * D + d];                               \
+                    memcpy(o + voff, vb, (size_t)(N * D) * sizeof(TYPE)); /* V rows abut */ \
                 }                                                                         \
     }
 DEFINE_COPY(uint16_t)
@@ -402,7 +385,7 @@ DEFINE_COPY(uint32_t)
 
 int kv_copy_blocks(const int64_t *ptrs, const int64_t *off, void *out, int64_t esize,
                    const int64_t *geo) {
-    if (geo[4] <= 0 || geo[2] % geo[4]) return -1;
+    if (!kv_place_ok(geo)) return -1;
     if (esize == 2) copy_blocks_uint16_t(ptrs, off, out, geo);
     else if (esize == 4) copy_blocks_uint32_t(ptrs, off, out, geo);
     else return -1;

@@ -197,8 +197,9 @@ def decode_blocks_calls(
     the addresses of the layer's K codes ``[H, T, D]``, V codes, K scales ``[H, D]`` and V
     scales ``[H, T]``; ``offsets`` int64, per chunk its ``T / N`` blocks' first elements in
     ``out``; ``geometry`` = (heads, T, D, N, head stride, K token stride, K dim stride, V
-    offset, V token stride, V dim stride) in elements. Every value written is checked to
-    lie inside ``out`` first (ValueError)."""
+    offset, V token stride, V dim stride) in elements, K ``[D, N]`` and V ``[N, D]`` within
+    a block (vLLM's CPU order). Every value written is checked to lie inside ``out`` first
+    (ValueError)."""
     lib, dtype = load(), DTYPES.get(out.dtype)
 
     def kernel(at_ptrs: int, at_off: int, geo: int) -> int:
@@ -232,35 +233,30 @@ def _block_calls(
     chunks = ptrs.shape[0]
     if out.dtype not in DTYPES or not usable(out) or n <= 0 or tokens % n:
         raise ValueError("paged blocks: unsupported cache or geometry")
+    if (ksn, vsd, vsn) != (1, 1, dim):
+        raise ValueError("paged blocks: only blocks of K [D, N] and V [N, D] are written")
     per_chunk = tokens // n
     if ptrs.shape != (chunks, width) or offsets.numel() != chunks * per_chunk:
         raise ValueError("paged blocks: pointers or offsets do not match the chunks")
     if ptrs.dtype != torch.int64 or offsets.dtype != torch.int64 or not offsets.is_contiguous():
         raise ValueError("paged blocks: pointers and offsets must be contiguous int64")
-    strides = (sh, ksn, ksd, voff, vsn, vsd)
-    extent = (heads - 1) * sh + max(
-        (n - 1) * ksn + (dim - 1) * ksd, voff + (n - 1) * vsn + (dim - 1) * vsd
-    )
+    extent = (heads - 1) * sh + max((dim - 1) * ksd + n - 1, voff + n * dim - 1)
     if chunks and (
-        min(strides) < 0 or int(offsets.min()) < 0 or int(offsets.max()) + extent >= out.numel()
+        min(sh, ksd, voff) < 0
+        or int(offsets.min()) < 0
+        or int(offsets.max()) + extent >= out.numel()
     ):
         raise ValueError("paged blocks: a block would be written outside the cache")
     ptrs = ptrs.contiguous()
+
+    def call(at: list[int], count: int) -> None:
+        geo = torch.tensor([count, *geometry], dtype=torch.int64)
+        if kernel(at[0], at[1], geo.data_ptr()) != 0:
+            raise ValueError(f"paged blocks: the kernel refused {out.dtype}")
+
     values_chunk = 2 * heads * tokens * dim * out.element_size()
-    parts = min(LANES, chunks) if chunks * values_chunk >= SPLIT_BYTES else 1
-    calls: list[Call] = []
-    for i in range(parts):
-        lo, hi = chunks * i // parts, chunks * (i + 1) // parts
-        geo = torch.tensor([hi - lo, heads, tokens, dim, n, *strides], dtype=torch.int64)
-
-        def call(lo=lo, geo=geo) -> None:
-            at_ptrs = ptrs.data_ptr() + lo * width * 8
-            at_off = offsets.data_ptr() + lo * per_chunk * 8
-            if kernel(at_ptrs, at_off, geo.data_ptr()) != 0:
-                raise ValueError(f"paged blocks: the kernel refused {out.dtype}")
-
-        calls.append((call, (hi - lo) * values_chunk))
-    return calls
+    rows = (width * 8, per_chunk * 8)  # bytes of pointers and of offsets per chunk
+    return _ranges(call, (ptrs.data_ptr(), offsets.data_ptr()), rows, values_chunk, chunks)
 
 
 def run(calls: list[Call]) -> None:

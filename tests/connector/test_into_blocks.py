@@ -77,6 +77,8 @@ def test_what_cannot_be_placed_is_refused_before_any_write(native):
         layout.write_fp8(kv, [0, BLOCKS], batch, 0, 0, 1)
     strides = layout.direct_strides(kv)
     block = H * N * 2 * D
+    with pytest.raises(ValueError, match="only blocks of K"):  # K [N, D]: not vLLM's order
+        batch.into_blocks(0, 0, 1, kv, torch.tensor([0, block]), (N, N * 2 * D, D, 1, N * D, D, 1))
     with pytest.raises(ValueError, match="no layer"):  # nothing read outside the chunks
         batch.into_blocks(LAYERS, 0, 1, kv, torch.tensor([0, block]), strides)
     with pytest.raises(ValueError, match="no layer"):

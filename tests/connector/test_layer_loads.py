@@ -256,7 +256,7 @@ def test_fp8_loads_on_the_c_loops_decode_into_the_blocks_as_alone(
         transport=transport,
         load_layerwise=layerwise,
     )
-    assert w._defer_fp8()
+    assert w._defer_fp8
     target = [20, 9, 8, 30, 3, 2, 11, 17]
     w.load(KVStoreMetadata(loads=[LoadSpec("r", keys, target, 1)]))
     assert w.load_errors() == set()
