@@ -280,7 +280,7 @@ class TieredStore(ReadPaths, SameHostPuts):
             self._expire()
             nodes = owned_chain(self.index.match(keys), owner)
             self.index.touch(nodes)
-            names = [self.tiers[self.index.top_tier(n)].name for n in nodes]
+            names = [self.tiers[t].name for t in self.index.top_tiers(nodes)]
             lease_id = self.index.lease(nodes, lease_ttl_s) if lease_ttl_s and nodes else None
             self._stats.lookups += 1
             self._stats.lookup_keys += len(keys)

@@ -2,7 +2,7 @@
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import event, settings
+from hypothesis import event, given, settings
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -13,6 +13,7 @@ from hypothesis.stateful import (
 
 from kvstore.core.types import InvalidArgument, NotFound
 from kvstore.server.index import RadixIndex, TierSpec
+from kvstore.server.index.node import Node, RecencyList
 
 NS = b"n" * 32
 
@@ -161,6 +162,39 @@ def test_fifo_policy_ignores_reads():
     index.touch(index.match([key(0)]))
     assert admit(index, key(99), None, 10)
     assert index.get(key(0)) is None  # read recently, stored first: gone under FIFO
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    size=st.integers(1, 12),
+    moves=st.lists(
+        st.lists(st.integers(0, 11), unique=True, max_size=12).map(sorted), max_size=12
+    ),
+    tier=st.integers(0, 2),
+    shuffle=st.randoms(use_true_random=False),
+)
+def test_move_to_newest_matches_a_plain_list(size, moves, tier, shuffle):
+    """Runs spliced whole (the fast path) must leave the order a node-by-node move would."""
+    nodes = [Node(bytes([i]) * 16, None, NS, 1) for i in range(size)]
+    lst, model = RecencyList(tier), list(range(size))
+    shuffle.shuffle(model)
+    for i in model:
+        lst.push_newest(nodes[i])
+    for move in moves:
+        # seq in list order or not: callers pass a chain, which need not be one run
+        seq = [i for i in move if i < size]
+        if shuffle.random() < 0.5:
+            seq = [i for i in model if i in seq]
+        lst.move_to_newest([nodes[i] for i in seq])
+        model = [i for i in model if i not in seq] + seq
+        assert [n.key[0] for n in lst.oldest_first()] == model
+    newest_first = []
+    node = getattr(lst.head, f"p{tier}")
+    while node is not lst.head:  # the backward links agree with the forward ones
+        newest_first.append(node.key[0])
+        node = getattr(node, f"p{tier}")
+    assert newest_first == model[::-1]
+    assert lst.count == size
 
 
 # ---- random operation sequences -------------------------------------------------

@@ -111,22 +111,36 @@ class RecencyList:
         self.count -= 1
 
     def move_to_newest(self, seq: list[Node]) -> None:
-        """Make ``seq`` (oldest first) the newest run of the list.
+        """Make ``seq`` (oldest first, all in the list) the newest run of the list.
 
-        A hot prefix is looked up again and again; when it already is the
-        newest run, in order, nothing is relinked.
+        A chain looked up again mostly still lies in the list as one run, or a few
+        (a shared prefix another chain moved): each maximal run is spliced to the
+        newest end whole, so a 512-chunk lookup relinks a handful of nodes, not 512.
+        A run already at the newest end stays put.
         """
-        p, head = self._p, self.head
-        cur = getattr(head, p)
-        for node in reversed(seq):
-            if cur is not node:
-                break
-            cur = getattr(cur, p)
-        else:
+        n = self._n
+        start = 0
+        for i in range(1, len(seq)):
+            if getattr(seq[i - 1], n) is not seq[i]:
+                self._splice_newest(seq[start], seq[i - 1])
+                start = i
+        if seq:
+            self._splice_newest(seq[start], seq[-1])
+
+    def _splice_newest(self, first: Node, last: Node) -> None:
+        """Move the run ``first`` .. ``last`` (linked, in list order) to the newest end."""
+        p, n, head = self._p, self._n, self.head
+        after = getattr(last, n)
+        if after is head:
             return
-        for node in seq:
-            self.unlink(node)
-            self.push_newest(node)
+        before = getattr(first, p)
+        setattr(before, n, after)
+        setattr(after, p, before)
+        tail = getattr(head, p)
+        setattr(tail, n, first)
+        setattr(first, p, tail)
+        setattr(last, n, head)
+        setattr(head, p, last)
 
     def oldest_first(self) -> Iterator[Node]:
         n, head = self._n, self.head

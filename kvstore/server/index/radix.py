@@ -30,6 +30,9 @@ from dataclasses import dataclass, field
 
 from kvstore.core.types import InvalidArgument, NotFound
 from kvstore.server.index.node import MAX_TIERS, Node, RecencyList
+
+# the fastest tier in a residency bitmask (lowest set bit); -1 for none
+_TOP_TIER = [(m & -m).bit_length() - 1 for m in range(1 << MAX_TIERS)]
 from kvstore.server.index.policy import POLICIES
 
 EVICTION_LOG_SIZE = 65536
@@ -134,7 +137,12 @@ class RadixIndex:
 
     def top_tier(self, node: Node) -> int:
         """The fastest tier holding ``node``."""
-        return (node.tiers & -node.tiers).bit_length() - 1
+        return _TOP_TIER[node.tiers]
+
+    def top_tiers(self, nodes: Sequence[Node]) -> list[int]:
+        """``top_tier`` of each of ``nodes`` (a 512-chunk lookup asks for all of them)."""
+        top = _TOP_TIER
+        return [top[n.tiers] for n in nodes]
 
     def why_missing(self, key: bytes) -> tuple[str, float, str] | None:
         """(tier, monotonic time, reason) of the last removal of ``key``, if remembered."""
