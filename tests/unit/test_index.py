@@ -167,9 +167,7 @@ def test_fifo_policy_ignores_reads():
 @settings(max_examples=300, deadline=None)
 @given(
     size=st.integers(1, 12),
-    moves=st.lists(
-        st.lists(st.integers(0, 11), unique=True, max_size=12).map(sorted), max_size=12
-    ),
+    moves=st.lists(st.lists(st.integers(0, 11), unique=True, max_size=12).map(sorted), max_size=12),
     tier=st.integers(0, 2),
     shuffle=st.randoms(use_true_random=False),
 )

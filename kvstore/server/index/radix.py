@@ -30,12 +30,11 @@ from dataclasses import dataclass, field
 
 from kvstore.core.types import InvalidArgument, NotFound
 from kvstore.server.index.node import MAX_TIERS, Node, RecencyList
-
-# the fastest tier in a residency bitmask (lowest set bit); -1 for none
-_TOP_TIER = [(m & -m).bit_length() - 1 for m in range(1 << MAX_TIERS)]
 from kvstore.server.index.policy import POLICIES
 
 EVICTION_LOG_SIZE = 65536
+# the fastest tier in a residency bitmask (lowest set bit); -1 for none
+_TOP_TIER = [(m & -m).bit_length() - 1 for m in range(1 << MAX_TIERS)]
 
 
 @dataclass(frozen=True, slots=True)
