@@ -406,7 +406,8 @@ def main() -> None:
                 f"x 64 MiB at {lk[f'put_stream{tag}_gbps']:.2f} GB/s",
             )
             for label, tag in (
-                ("32 MiB in parts", ""),
+                ("32 MiB, 1 MiB parts", ""),
+                ("32 MiB, 4 MiB parts", "_4mib_parts"),
                 ("32 MiB whole", "_whole_chunks"),
                 ("1 MiB", "_1mib_chunks"),
                 ("shm", "_shm"),
@@ -459,6 +460,7 @@ def main() -> None:
             "lookup_matches_right": lk["lookup_wrong_matches"] == 0,
             "put_stream_no_errors": not (
                 lk["put_stream_errors"]
+                or lk["put_stream_4mib_parts_errors"]
                 or lk["put_stream_whole_chunks_errors"]
                 or lk["put_stream_1mib_chunks_errors"]
                 or lk["put_stream_shm_errors"]

@@ -14,12 +14,13 @@ of Llama-3-8B 256-token bf16 chunks (33,554,468 B each, 64 MiB per put; the defa
 ``server.max_chunk_bytes`` is 64 MiB, so one chunk cannot carry the whole 64 MiB).
 Latencies are measured idle (same key lists, same calls) and then for as long as the put
 process is putting; ``puts`` and ``max_seconds`` bound it. The client sends each Llama
-chunk in 4 MiB parts (its default ``put_part_bytes``): the Python gRPC server turns each
-received message into one ``bytes`` with the GIL held, so the message size, not the put
-size, sets how long a lookup can be held up. The same chunks are then put whole, one
-32 MiB message each (``put_part_bytes=0``, as clients did before parts), and the same
-bytes as 1 MiB chunks (64 per put, sent in 4 MiB messages). Last, the Llama chunks are
-put over shared memory (same host), where no payload crosses gRPC at all.
+chunk in 1 MiB parts (its defaults: ``put_part_bytes`` 1 MiB for chunks over
+``put_split_bytes``, 4 MiB): the Python gRPC server turns each received message into one
+``bytes`` with the GIL held, so the message size, not the put size, sets how long a lookup
+can be held up. The same chunks are then put in 4 MiB parts (the client's default
+before), whole, one 32 MiB message each (``put_part_bytes=0``, as clients did before
+parts), and as 1 MiB chunks (64 per put, sent in 4 MiB messages). Last, the Llama chunks
+are put over shared memory (same host), where no payload crosses gRPC at all.
 """
 
 from __future__ import annotations
@@ -49,6 +50,13 @@ PUTS = {
         2,
         False,
         None,
+    ),
+    "llama8b_bf16_4mib_parts": (
+        Namespace("bench-llama8b-4mib", "r0", 32, 8, 128, 256, "raw"),
+        LLAMA8B_CHUNK,
+        2,
+        False,
+        4 << 20,
     ),
     "llama8b_bf16_whole": (
         Namespace("bench-llama8b-whole", "r0", 32, 8, 128, 256, "raw"),
@@ -214,7 +222,8 @@ def _put_figures(busy: tuple[list[float], int], report: dict, tag: str) -> dict:
 def lookup_latency(target: str, idle_calls: int, puts: int, max_seconds: float) -> dict:
     """Lookup p50/p99 idle, then under four streams of 64 MiB puts.
 
-    Keys without a tag: Llama-3-8B bf16 chunks over TCP, each in 4 MiB parts;
+    Keys without a tag: Llama-3-8B bf16 chunks over TCP, each in 1 MiB parts;
+    ``_4mib_parts``: the same in 4 MiB parts;
     ``_whole_chunks``: the same, one 32 MiB gRPC message per chunk;
     ``_1mib_chunks``: the same bytes as 1 MiB chunks (4 MiB messages);
     ``_shm``: Llama chunks again, copied by the client into the store's shared memory
@@ -225,6 +234,9 @@ def lookup_latency(target: str, idle_calls: int, puts: int, max_seconds: float) 
         _timed_lookups(client, chains, lambda n: n >= 20)  # warm up
         idle, big, big_report = _under_puts(
             client, chains, target, "llama8b_bf16", puts, max_seconds, idle_calls
+        )
+        _, four, four_report = _under_puts(
+            client, chains, target, "llama8b_bf16_4mib_parts", puts, max_seconds, 0
         )
         _, whole, whole_report = _under_puts(
             client, chains, target, "llama8b_bf16_whole", puts, max_seconds, 0
@@ -240,8 +252,9 @@ def lookup_latency(target: str, idle_calls: int, puts: int, max_seconds: float) 
         "lookup_max_idle_ms": round(p["max"], 3),
         "lookup_idle_calls": len(idle[0]),
         **_put_figures(big, big_report, ""),
+        **_put_figures(four, four_report, "_4mib_parts"),
         **_put_figures(whole, whole_report, "_whole_chunks"),
         **_put_figures(small, small_report, "_1mib_chunks"),
         **_put_figures(shm, shm_report, "_shm"),
-        "lookup_wrong_matches": idle[1] + big[1] + whole[1] + small[1] + shm[1],
+        "lookup_wrong_matches": idle[1] + big[1] + four[1] + whole[1] + small[1] + shm[1],
     }

@@ -36,7 +36,8 @@ from kvstore.rpc.tls import ClientAuth
 
 DEFAULT_MAX_MESSAGE = 65 << 20
 PUT_BATCH_BYTES = 4 << 20
-PUT_PART_BYTES = 4 << 20
+PUT_SPLIT_BYTES = 4 << 20
+PUT_PART_BYTES = 1 << 20
 # gRPC clamps a retryPolicy's maxAttempts to 5 (and logs an error when asked for more).
 MAX_ATTEMPTS = 5
 # A shared-memory copy that ends within this fraction of its lease (counted from before the
@@ -103,10 +104,13 @@ class ClientOptions:
     backoff_s: float = 0.05
     max_message_bytes: int = DEFAULT_MAX_MESSAGE
     put_batch_bytes: int = PUT_BATCH_BYTES
-    # a chunk's payload longer than this is put in parts of this size, so that no one gRPC
-    # message holds a whole large chunk (the store's Python server builds each received
-    # message with its GIL held: a 32 MiB message stalled its lookups for tens of ms);
-    # 0 sends every chunk whole, as stores from before parts need
+    # a chunk's payload longer than put_split_bytes is put in parts of put_part_bytes, so
+    # that no one gRPC message holds a large chunk: the store's Python server builds each
+    # received message with its GIL held, which holds up its lookups (a 32 MiB message
+    # stalled them for tens of ms; under a stream of 64 MiB puts the lookups' p99 was
+    # 6-9 ms with 4 MiB parts, 4-5 ms with 1 MiB parts). put_part_bytes 0 sends every chunk
+    # whole, as stores from before parts need.
+    put_split_bytes: int = PUT_SPLIT_BYTES
     put_part_bytes: int = PUT_PART_BYTES
     # how long a shared-memory read may take before the store may reuse its slots;
     # None takes the server's default. A read that outlasts it is redone over TCP.
@@ -120,9 +124,10 @@ class ClientOptions:
                 f"retries must be >= 0 and backoff_s a positive number of seconds, "
                 f"got {self.retries} and {self.backoff_s}"
             )
-        if self.put_part_bytes < 0:
+        if self.put_part_bytes < 0 or self.put_split_bytes < 0:
             raise ValueError(
-                f"put_part_bytes must be >= 0 (0: no parts), got {self.put_part_bytes}"
+                f"put_part_bytes and put_split_bytes must be >= 0 (put_part_bytes 0: no "
+                f"parts), got {self.put_part_bytes} and {self.put_split_bytes}"
             )
         ttl = self.shm_lease_ttl_s
         if ttl is not None and not (math.isfinite(ttl) and ttl > 0):
@@ -187,14 +192,16 @@ def _batches(records: Sequence[ChunkRecord], limit: int) -> list[list[ChunkRecor
     return out
 
 
-def _encoded(batches: list[list[ChunkRecord]], part_bytes: int) -> Iterator[bytes]:
+def _encoded(
+    batches: list[list[ChunkRecord]], part_bytes: int, split_bytes: int
+) -> Iterator[bytes]:
     # One message at a time, as gRPC sends them: encoding them all up front held the whole
     # put in freshly allocated memory, whose page faults cost about a fifth of a put's time.
     for batch in batches:
         whole: list[ChunkRecord] = []
         for rec in batch:
             payload = memoryview(rec.payload).cast("B")  # parts are cut in bytes
-            if not part_bytes or payload.nbytes <= part_bytes:
+            if not part_bytes or payload.nbytes <= max(split_bytes, part_bytes):
                 whole.append(rec)
                 continue
             first = dataclasses.replace(rec, payload=payload[:part_bytes])
@@ -468,7 +475,10 @@ class KVStoreClient:
         # Put is idempotent (a stored key is a duplicate): a retry re-sends every batch.
         resp = self._call(
             "Put",
-            lambda b, timeout: self._put(_encoded(b, self.options.put_part_bytes), timeout=timeout),
+            lambda b, timeout: self._put(
+                _encoded(b, self.options.put_part_bytes, self.options.put_split_bytes),
+                timeout=timeout,
+            ),
             batches,
             timeout_s=timeout_s,
         )
@@ -578,7 +588,10 @@ class AsyncKVStoreClient:
         batches = _batches(records, self.options.put_batch_bytes)
         resp = await self._call(
             "Put",
-            lambda t: self._put(_encoded(batches, self.options.put_part_bytes), timeout=t),
+            lambda t: self._put(
+                _encoded(batches, self.options.put_part_bytes, self.options.put_split_bytes),
+                timeout=t,
+            ),
             timeout_s,
         )
         return _put_result(resp)

@@ -25,7 +25,9 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 @pytest.mark.parametrize("part_bytes", [36, 5000, 1 << 20])
 def test_parts_reassemble_byte_identical(served, part_bytes):
     records = chain(3, seed=1)  # 32 KiB + 36 B payloads: parts end short or exact
-    with KVStoreClient(served.address, ClientOptions(put_part_bytes=part_bytes)) as c:
+    with KVStoreClient(
+        served.address, ClientOptions(put_part_bytes=part_bytes, put_split_bytes=0)
+    ) as c:
         result = c.put(records)
         assert (result.stored, result.duplicates, result.rejected) == (3, 0, [])
         assert [bytes(p) for p in c.get(keys_of(records))] == payloads_of(records)
@@ -38,7 +40,7 @@ def test_parts_are_cut_in_bytes_whatever_the_payload_buffer_s_item_size(served):
         dataclasses.replace(r, payload=memoryview(np.frombuffer(r.payload, np.uint16)))
         for r in records
     ]
-    with KVStoreClient(served.address, ClientOptions(put_part_bytes=5000)) as c:
+    with KVStoreClient(served.address, ClientOptions(put_part_bytes=5000, put_split_bytes=0)) as c:
         assert c.put(wide).stored == 2
         assert [bytes(p) for p in c.get(keys_of(records))] == payloads_of(records)
 
@@ -47,7 +49,7 @@ def test_the_async_client_puts_in_parts_too(served):
     records = chain(3, seed=7)
 
     async def scenario() -> None:
-        opts = ClientOptions(put_part_bytes=5000)
+        opts = ClientOptions(put_part_bytes=5000, put_split_bytes=0)
         async with AsyncKVStoreClient(served.address, opts) as c:
             assert (await c.put(records)).stored == 3
             assert [bytes(p) for p in await c.get(keys_of(records))] == payloads_of(records)
@@ -142,3 +144,24 @@ def test_a_payload_in_parts_holds_all_its_bytes_in_flight_from_its_first_part(se
     assert held.result().stored == 1
     with KVStoreClient(served.address) as c:
         assert c.put(other).stored == 1  # the quota came back with the stored chunk
+
+
+def test_by_default_only_chunks_over_4_mib_go_in_parts_of_1_mib():
+    """The store's server holds its GIL while it builds each received message: no message of
+    a large chunk's put may be much over 1 MiB, while chunks up to 4 MiB still travel whole."""
+    from kvstore.client.grpc_client import _batches, _encoded
+
+    opts = ClientOptions()
+    small, large = chain(2, seed=3), chain(1, seed=4)
+    big = dataclasses.replace(large[0], payload=bytes(9 << 20) + b"tail")
+    mid = dataclasses.replace(small[0], payload=bytes(3 << 20))
+
+    def sizes(records):
+        batches = _batches(records, opts.put_batch_bytes)
+        return [len(m) for m in _encoded(batches, opts.put_part_bytes, opts.put_split_bytes)]
+
+    assert len(sizes([mid])) == 1  # whole, in one message
+    parts = sizes([big])
+    assert len(parts) == 10  # 9 MiB and 4 bytes: nine 1 MiB parts and the tail
+    assert max(parts) < (1 << 20) + 4096
+    assert sum(parts) >= (9 << 20) + 4
