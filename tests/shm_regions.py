@@ -51,6 +51,19 @@ def mapped_here() -> set[str]:
         return {line.split(SHM_DIR + "/", 1)[1].split()[0] for line in f if SHM_DIR + "/" in line}
 
 
+def resident_kib(name: str) -> int:
+    """Rss (KiB) of this process's mappings of region ``name``: the pages it has mapped."""
+    total, ours = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's first line
+                ours = fields[-1] == os.path.join(SHM_DIR, name)
+            elif ours and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total
+
+
 def left_behind(since: float) -> list[str]:
     """Regions made at or after ``since`` (epoch seconds) that nothing will remove: no
     live process holds them, or only this one, which will exit without closing them."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvstore.client.prefault import populate_in_background
 from kvstore.core.payload import parse_header
 from kvstore.core.types import KEY_BYTES, PayloadError
 from kvstore.rpc.pb import pb
@@ -109,6 +110,8 @@ class ShmReader:
         self.stats = ShmReadStats()
         self._maps: dict[str, mmap.mmap] = {}
         self._lock = threading.Lock()
+        # the page tables of the mapped region are filled in the background
+        self.prefault: threading.Thread | None = None
 
     def copy_out(
         self,
@@ -217,6 +220,7 @@ class ShmReader:
                 raise _RegionUnavailable(f"cannot map {path}: {exc}") from exc
             self._maps[name] = region
             self.stats.regions_mapped += 1
+            self.prefault = populate_in_background(region)
             return memoryview(region)
 
     def mapped(self) -> list[str]:

@@ -17,7 +17,7 @@ from kvstore.rpc.pb import pb
 from kvstore.server.service import KVStoreService, Limits
 from tests.chunks import CHUNK_COST, chain
 from tests.service.conftest import keys_of, payloads_of
-from tests.shm_regions import mapped_here
+from tests.shm_regions import mapped_here, resident_kib
 
 
 def read_region(handle: pb.ShmHandle) -> bytes:
@@ -393,5 +393,21 @@ def test_the_reader_unmaps_a_region_once_the_store_names_another(make_region):
         assert copy_all(reader, [b.key], [odd])[0] == {0}
         assert reader.stats.region_unavailable == 3 and reader.stats.regions_mapped == 2
         assert new not in mapped_here()
+    finally:
+        reader.close()
+
+
+def test_the_reader_maps_the_whole_region_into_its_page_tables_at_once(make_region):
+    """Loads must not fault each page in on first read: the region's pages are mapped in
+    the background as soon as the region is, without a copy of their bytes."""
+    a, b = chain(2, seed=28)
+    pad = 8 << 20  # far more than the chunks read: only prefaulting maps it
+    name, (ha, _) = make_region([(a.key, a.payload), (b.key, b.payload + bytes(pad))])
+    reader = ShmReader()
+    try:
+        assert copy_all(reader, [a.key], [ha]) == (set(), {0: a.payload})
+        assert reader.prefault is not None
+        reader.prefault.join(10)
+        assert resident_kib(name) * 1024 >= pad
     finally:
         reader.close()
