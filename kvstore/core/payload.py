@@ -101,9 +101,26 @@ def seal_payload(header: ChunkHeader, out: bytearray | memoryview) -> None:
     struct.pack_into("<Q", view, len(head), _checksum(head, view[HEADER_BYTES:]))
 
 
+# headers already found valid, by (their bytes before the checksum, the payload's length):
+# a load's chunks share one header, and each is parsed up to three times on its way
+_VALID: dict[tuple[bytes, int], ChunkHeader] = {}
+_VALID_MAX = 256
+
+
 def parse_header(payload: bytes | bytearray | memoryview) -> ChunkHeader:
     """Parse and check the header alone (no checksum): cheap admission control."""
     view = memoryview(payload).cast("B")
+    seen = (bytes(view[: HEADER_BYTES - 8]), view.nbytes) if view.nbytes >= HEADER_BYTES else None
+    header = _VALID.get(seen) if seen is not None else None
+    if header is None:
+        header = _parse_header(view)
+        if len(_VALID) >= _VALID_MAX:
+            _VALID.clear()
+        _VALID[seen] = header  # only a header that passed every check gets here
+    return header
+
+
+def _parse_header(view: memoryview) -> ChunkHeader:
     if view.nbytes < HEADER_BYTES:
         raise PayloadError(
             f"payload is {view.nbytes} bytes, shorter than the {HEADER_BYTES}-byte header"

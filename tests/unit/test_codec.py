@@ -101,9 +101,17 @@ def _mutations():
     }
 
 
+# mutations that leave the header itself valid: only the checksum finds them
+HEADER_ONLY_PASSES = {"flipped body byte", "flipped last byte", "flipped checksum"}
+
+
 @pytest.mark.parametrize("case", sorted(_mutations()))
 def test_every_malformed_payload_raises_payload_error(case):
     bad = _mutations()[case](_payload())
+    parse_payload(_payload())  # valid headers are remembered: that must not let these in
+    for _ in range(2):
+        with pytest.raises(PayloadError):
+            parse_header(bad) if case not in HEADER_ONLY_PASSES else parse_payload(bad)
     with pytest.raises(PayloadError):
         parse_payload(bad)
     with pytest.raises(PayloadError):
