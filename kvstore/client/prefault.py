@@ -27,7 +27,10 @@ def populate_in_background(region: mmap.mmap) -> threading.Thread | None:
     """Start populating ``region``'s page tables; the thread, or None where unsupported."""
     if not sys.platform.startswith("linux") or len(region) == 0:
         return None
-    view = ctypes.c_char.from_buffer(region)  # the mapping must be writable (private)
+    try:
+        view = ctypes.c_char.from_buffer(region)  # a writable mapping (private) only
+    except (TypeError, ValueError):
+        return None
     address, length = ctypes.addressof(view), len(region)
     del view  # no export left behind: the region can still be closed at any time
     thread = threading.Thread(
