@@ -20,6 +20,7 @@ so any process, engine version or other implementation reproduces the keys.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -90,7 +91,13 @@ def request_root(ns_digest: bytes, identity: Mapping[str, str] | None) -> bytes:
 
 
 def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    arr = np.asarray(token_ids)
+    if isinstance(token_ids, list):  # vLLM's prompt: array.array converts a 16K-token list
+        try:  # 0.5 ms sooner than np.asarray, and refuses what is not an int
+            arr = np.frombuffer(array.array("q", token_ids), dtype=np.int64)
+        except (TypeError, OverflowError) as exc:
+            raise InvalidArgument("token ids must be integers in [0, 2**32)") from exc
+    else:
+        arr = np.asarray(token_ids)
     if arr.ndim != 1:
         raise InvalidArgument(f"token ids must be one-dimensional, got shape {arr.shape}")
     if arr.size and (arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() > 0xFFFFFFFF):
