@@ -71,7 +71,7 @@ AUTO_MAP_SIZE = 64 << 30
 AUTO_FREE_SHARE = 0.9
 MIN_AUTO_MAP_SIZE = 256 << 20
 HEADER_BYTES = HEADER.size
-ZSTD_PIECE = 1 << 20  # compressed a piece at a time: see _compress_into
+ZSTD_PIECE = 1 << 18  # compressed a piece at a time: see _compress_into
 ZSTD_SLACK = 1 << 16  # zstd's frame and block headers over the input size, generously
 
 
@@ -282,7 +282,11 @@ class NvmeTier:
 
         One ``compress`` call builds its whole output as one bytes object, and resizing that
         copies it with the GIL held (5 ms for 32 MiB here, a stall for every lookup); a
-        stream of 1 MiB pieces never holds the GIL for more than a piece's copy.
+        stream of 256 KiB pieces never holds the GIL for more than a piece's copy. After
+        each piece the writer offers its core to any thread waiting for one (a lookup's,
+        say), so that waits for the writer's core last a piece's compression (~0.7 ms),
+        not a payload's: lookup p99 under a stream of 64 MiB puts 6.7-7.2 -> 4.9-6.5 ms
+        in paired runs here.
         """
         n = src.nbytes
         out = self._room(n + (n >> 7) + ZSTD_SLACK)
@@ -290,6 +294,7 @@ class NvmeTier:
         stream = self._cctx.compressobj(size=n)
         for i in range(0, n + ZSTD_PIECE, ZSTD_PIECE):  # the last step flushes
             piece = stream.compress(src[i : i + ZSTD_PIECE]) if i < n else stream.flush()
+            _step_aside()
             if at + len(piece) > len(out):
                 return None  # beyond zstd's own bound: cannot happen, but be safe
             out[at : at + len(piece)] = piece
@@ -418,6 +423,15 @@ class NvmeTier:
         self._env.sync(True)
         self._env.close()
         os.close(self._dir_lock)
+
+
+def _step_aside() -> None:
+    """Let a thread waiting for a core run first (the writer's work is never urgent)."""
+    if _SCHED_YIELD is not None:
+        _SCHED_YIELD()
+
+
+_SCHED_YIELD = getattr(os, "sched_yield", None)  # POSIX; releases the GIL
 
 
 def _lock_data_dir(path: str, read_only: bool) -> int:
