@@ -33,7 +33,10 @@ from kvstore.core.types import (
 )
 from kvstore.server.tiers.buffers import as_u8
 from kvstore.server.tiers.extents import Allocation, ExtentTable, ExtentTierOps
+from kvstore.server.tiers.pacing import PIECE, step_aside
 from kvstore.server.tiers.shm_region import ShmRegion, reclaim_stale
+
+COPY_PIECE = 4 * PIECE  # a put's copy into the region, 1 MiB at a time (~0.2 ms each)
 
 
 class DramTier(ExtentTierOps):
@@ -127,7 +130,10 @@ class DramTier(ExtentTierOps):
         arr[key_at : key_at + KEY_BYTES] = np.frombuffer(alloc.key, dtype=np.uint8)
         done = 0
         for off, n in alloc.payload_spans():
-            np.copyto(arr[off : off + n], src[done : done + n])
+            for at in range(0, n, COPY_PIECE):  # in pieces: see pacing
+                m = min(COPY_PIECE, n - at)
+                np.copyto(arr[off + at : off + at + m], src[done + at : done + at + m])
+                step_aside()
             done += n
 
     def _is_staged_room(self, key: ChunkKey, src: np.ndarray) -> bool:

@@ -61,6 +61,7 @@ from kvstore.server.tiers.nvme_format import (
     seal,
     verify,
 )
+from kvstore.server.tiers.pacing import PIECE, step_aside
 
 log = logging.getLogger(__name__)
 MAX_TXN_BYTES = 64 << 20
@@ -71,7 +72,7 @@ AUTO_MAP_SIZE = 64 << 30
 AUTO_FREE_SHARE = 0.9
 MIN_AUTO_MAP_SIZE = 256 << 20
 HEADER_BYTES = HEADER.size
-ZSTD_PIECE = 1 << 18  # compressed a piece at a time: see _compress_into
+ZSTD_PIECE = PIECE  # compressed a piece at a time: see _compress_into
 ZSTD_SLACK = 1 << 16  # zstd's frame and block headers over the input size, generously
 
 
@@ -294,7 +295,7 @@ class NvmeTier:
         stream = self._cctx.compressobj(size=n)
         for i in range(0, n + ZSTD_PIECE, ZSTD_PIECE):  # the last step flushes
             piece = stream.compress(src[i : i + ZSTD_PIECE]) if i < n else stream.flush()
-            _step_aside()
+            step_aside()
             if at + len(piece) > len(out):
                 return None  # beyond zstd's own bound: cannot happen, but be safe
             out[at : at + len(piece)] = piece
@@ -423,15 +424,6 @@ class NvmeTier:
         self._env.sync(True)
         self._env.close()
         os.close(self._dir_lock)
-
-
-def _step_aside() -> None:
-    """Let a thread waiting for a core run first (the writer's work is never urgent)."""
-    if _SCHED_YIELD is not None:
-        _SCHED_YIELD()
-
-
-_SCHED_YIELD = getattr(os, "sched_yield", None)  # POSIX; releases the GIL
 
 
 def _lock_data_dir(path: str, read_only: bool) -> int:
