@@ -166,3 +166,19 @@ def test_decode_many_equals_decode_one_by_one_and_stops_at_a_bad_payload(codec_n
     many, error = codec.decode_many([payloads[0], other])
     assert len(many) == 1 and "differ" in str(error)
     assert codec.decode_many([]) == ([], None)
+
+
+def test_a_paced_checksum_is_the_same_checksum_and_paces_each_piece():
+    from kvstore.core.payload import PACE_PIECE
+
+    k = torch.randn(2, 2, 1000, 64)  # ~4 MB of K and V: several pieces, the last short
+    payload = bytearray(codec.encode(k, -k, "raw"))
+    calls = []
+    header, body = parse_payload(payload, pace=lambda: calls.append(1))
+    assert len(body) > 4 * PACE_PIECE and len(body) % PACE_PIECE
+    assert (header, bytes(body)) == (parse_header(payload), bytes(parse_payload(payload)[1]))
+    assert len(calls) == -(-len(body) // PACE_PIECE)
+    bad = bytearray(payload)
+    bad[-1] ^= 1
+    with pytest.raises(PayloadError):
+        parse_payload(bad, pace=lambda: None)
