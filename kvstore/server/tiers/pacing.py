@@ -8,10 +8,11 @@ the core until the scheduler's slice ends. Cut into pieces, with ``step_aside`` 
 a waiting thread runs within a piece's time (0.1-0.7 ms). With nothing waiting, the offer
 costs one system call. ``sched_yield`` lets the GIL go for the call.
 
-Used by the store's payload checks (``parse_payload(pace=step_aside)``: 4.3 / 4.2 / 4.5 ms
-against 4.7 / 4.7 / 4.3 hashed in one go, three paired runs), the nvme writer's compression (lookup p99 under a stream of 64 MiB puts 6.7-7.2 ->
-4.9-6.5 ms in paired runs here) and the DRAM tier's copy of a put's payload (5.0 / 4.5 /
-4.0 ms against 5.3 / 4.6 / 4.8 copied whole, three paired runs).
+Used by the store's payload checks (``parse_payload(pace=step_aside)``), the nvme
+writer's compression and the DRAM tier's copy of a put's payload. Lookup p99 under a
+stream of 64 MiB puts, paired probe runs here: checks 4.3 / 4.2 / 4.5 ms against
+4.7 / 4.7 / 4.3 hashed in one go; compression 4.9-6.5 against 6.7-7.2 ms; the copy
+5.0 / 4.5 / 4.0 against 5.3 / 4.6 / 4.8 ms.
 """
 
 from __future__ import annotations
