@@ -151,15 +151,15 @@ def connector(
     )
 
 
-SLOT_BYTES = 512 << 10  # a raw float32 chunk of the benchmark model is 256 KiB + header
+CHUNK_ROOM = 512 << 10  # a raw float32 chunk of the benchmark model is 256 KiB + header
 
 
 def store_yaml(path: Path, chunks: int) -> Path:
-    """A DRAM-only store with a slot for every chunk the run saves, so none is evicted."""
-    capacity = max(1 << 30, int(chunks * 1.25) * SLOT_BYTES)
+    """A DRAM-only store with room for every chunk the run saves, so none is evicted."""
+    capacity = max(1 << 30, int(chunks * 1.25) * CHUNK_ROOM)
     path.write_text(
         "server:\n  listen: 127.0.0.1:0\n  metrics_listen: ''\n"
-        f"dram:\n  capacity_bytes: {capacity}\n  slot_bytes: {SLOT_BYTES}\n"
+        f"dram:\n  capacity_bytes: {capacity}\n"
         "nvme:\n  enabled: false\n"
     )
     return path
