@@ -438,13 +438,11 @@ class WorkerHalf:
         src = codec.dtype_name(self._layers[0].dtype)
         return codec.HEADER_BYTES + expected_body_len(self.config.codec, src, shape)
 
-    def _check_shape(self, decoded: list) -> None:
+    def _check_shape(self, decoded: codec.DecodedChunks) -> None:
         """A load's chunks share one shape (``decode_many``): it must be the engine's."""
         want = (self.ns.num_layers, self._heads(), self.config.chunk_tokens, self.ns.head_dim)
-        if decoded:
-            shape = getattr(decoded, "shape", None) or tuple(decoded[0][0].shape)
-            if tuple(shape) != want:
-                raise ValueError(f"chunk shape {tuple(shape)} does not match the engine's {want}")
+        if decoded and decoded.shape != want:
+            raise ValueError(f"chunk shape {decoded.shape} does not match the engine's {want}")
 
     def scatter(self, decoded: list[tuple[torch.Tensor, torch.Tensor]], spec: LoadSpec) -> None:
         """Write the decoded leading chunks of ``spec`` into its blocks, every layer."""

@@ -40,12 +40,6 @@ class Fp8Batch:
         hd = heads * dim
         self._step = torch.tensor([hd * tokens, hd * tokens, 4 * hd, 4 * heads * tokens])
 
-    def __len__(self) -> int:
-        return len(self.bodies)
-
-    def __bool__(self) -> bool:  # a batch, even of no chunk, is not "no batch"
-        return True
-
     def chunk(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._decode_one(j)
 

@@ -86,6 +86,30 @@ def test_saved_chunks_load_into_other_blocks_exactly(store_address):
     loader.close()
 
 
+def test_chunks_of_another_shape_under_the_keys_are_not_loaded(store_address):
+    """Whatever a store holds under a prefix's keys, chunks whose shape is not the engine's
+    (here a model with one layer more: each layer alone would fit the engine's blocks) are
+    refused whole: every block is left to compute and none is written."""
+    from kvstore.core import codec
+    from kvstore.core.types import ChunkRecord
+
+    keys = chunk_keys(NS.digest(), list(range(7000, 7000 + 2 * CHUNK)), CHUNK)
+    k = torch.randn(LAYERS + 1, HEADS, CHUNK, DIM)
+    payload = bytes(codec.encode(k, -k, "raw"))
+    records = [ChunkRecord(keys[0], None, NS.digest(), payload)]
+    records.append(ChunkRecord(keys[1], keys[0], NS.digest(), payload))
+    with KVStoreClient(store_address) as client:
+        assert client.put(records).stored == 2
+    dst = paged_cache(seed=5)
+    before = {n: t.clone() for n, t in dst.items()}
+    loader = worker(store_address, dst)
+    loader.load(KVStoreMetadata(loads=[LoadSpec("b", keys, [4, 5, 6, 7], 0)]))
+    assert loader.load_errors() == {4, 5, 6, 7}
+    assert all(torch.equal(dst[n], before[n]) for n in dst)
+    assert loader.counters.loaded_chunks == 0
+    loader.close()
+
+
 def test_a_short_load_reports_exactly_the_blocks_it_could_not_fill(store_address):
     tokens = list(range(4 * CHUNK))
     keys = chunk_keys(NS.digest(), tokens, CHUNK)
