@@ -77,6 +77,36 @@ def test_every_code_decodes_as_torch_converts_it(native, dtype):
     assert torch.equal(out[~nan], want[~nan])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_token", [True, False])
+def test_vector_decoder_gives_every_code_under_every_scale_as_torch(native, dtype, per_token):
+    """The vector decoder (32 codes a step, 2^120 folded into the scale where that is exact,
+    a block with a NaN code left to the scalar loop): every finite code at 16 positions of
+    a row, under scales from 1e-30 to 5e30 (those of 2^7 and above, inf and NaN not folded),
+    rows with a NaN code in their middle, as torch's own conversion."""
+    g = torch.Generator().manual_seed(3)
+    finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    rows = torch.stack([finite[torch.randperm(len(finite), generator=g)][:96] for _ in range(48)])
+    rows[5, 40], rows[9, 3], rows[9, 90] = 0x7F, 0xFF, 0x7F  # NaN codes mid-row
+    scales = [1.0, 0.37, 3e-3, 1e-30, 127.9, 128.0, 200.0, 5e30, float("inf"), 2.5e-7]
+    scales += [float("nan"), -0.75, 300.0, 1e4]
+    if per_token:  # [1, 1, tokens, dim]: one scale per row
+        codes = rows.reshape(1, 1, 48, 96)
+        scale = torch.tensor((scales * 4)[:48]).reshape(1, 1, 48)
+        want = codes.view(torch.float8_e4m3fn).float() * scale.unsqueeze(-1)
+    else:  # [outer, tokens, dim]: one scale per column of each slab
+        codes = rows.reshape(4, 12, 96)
+        scale = torch.tensor((scales * 32)[:384]).reshape(4, 96)
+        scale[1] = torch.rand(96, generator=g) * 100  # a slab whose scales all fold
+        want = codes.view(torch.float8_e4m3fn).float() * scale.unsqueeze(1)
+    want = want.to(dtype)
+    out = torch.empty(codes.shape, dtype=dtype)
+    fp8_cpu.decode_into(codes, scale, out, per_token=per_token)
+    nan = want.isnan()
+    assert torch.equal(out.isnan(), nan) and nan.any()
+    assert torch.equal(out[~nan].view(torch.uint8), want[~nan].view(torch.uint8))  # -0.0 too
+
+
 def test_nan_and_inf_in_the_cache_spoil_only_their_own_slice_as_eager(native):
     k, v = hard_kv(torch.float32)
     k[0, 0, 2, 7], v[1, 0, 3, 9], v[2, 1, 4, 0] = float("nan"), float("inf"), float("-inf")
