@@ -20,6 +20,7 @@
  * torch's code.float() * scale, then rounded to the output dtype.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };
@@ -76,14 +77,16 @@ static inline float scale_of(float amax) {
  *  - The quotient x / scale without a division: q = x * r with r = 1 / scale rounded, then
  *    q += (x - q * scale) * r with two FMAs, which is the correctly rounded quotient
  *    (Markstein's theorem: r within half an ulp of 1/scale, q within one ulp of x/scale).
- *    Scales that are not finite (a NaN or inf in the slice) keep the division.
+ *    Slices whose scale is not finite (a NaN or inf in them) take the scalar loop, which
+ *    divides; their NaN codes' signs are the quotient's (torch's own NaN signs vary with
+ *    its vector and tail loops, so a NaN code's sign bit is not part of the contract).
  *  - The rounding to 3 mantissa bits in one step for normals and subnormals: adding
  *    c = 2^(e + 20) (e: the exponent of |q|, at least 2^14 = 2^(-9 + 23) for the subnormal
  *    step 2^-9) leaves exactly the bits that e4m3 keeps, rounded to nearest even; the
  *    result times 2^-120 has the code in its bits 20-26 (as in the decoder). The calls
  *    clear FTZ/DAZ for themselves, so that the float32 subnormals this makes are kept.
- *  - NaN turns into a code above 0x7F, clamped to 0x7F; the sign is x's (the quotient's,
- *    for every x that is not NaN: the scale is positive).
+ *  - With a finite scale, |x| <= amax and the scale positive, so |q| <= 448 (1 + 2^-23),
+ *    which rounds to 448: no clamp and no NaN code are needed, and the sign is x's.
  * On AVX2 hosts (bf16 input, one core, 4 MiB): K 0.94 -> 0.70 ms, V 1.06 -> 0.70 ms once
  * the clamp left the division-free path, the signs of 16-bit values came from one byte
  * pack per 32, their maxima were taken on 16 bits and (V) a slab's row scales were all
@@ -100,21 +103,17 @@ static inline __m256 load8(const void *x, int64_t i, int dtype) {
     return _mm256_loadu_ps((const float *)x + i);
 }
 
-/* The code's 7 magnitude bits as int32, without the sign (the callers add it). Where the
- * quotient is taken without a division, the scale is finite and x is within its amax, so
- * |q| <= 448 (1 + 2^-23), which rounds to 448: the clamp to 448 and the NaN code are only
- * needed where it divides. */
-static inline __m256i e4m3x8_mag(__m256 x, __m256 s, __m256 r, int divide) {
-    __m256 q = divide ? _mm256_div_ps(x, s) : _mm256_mul_ps(x, r);
-    if (!divide) q = _mm256_fmadd_ps(_mm256_fnmadd_ps(q, s, x), r, q);
+/* The code's 7 magnitude bits as int32, without the sign (the callers add it); the scale
+ * finite (see above). */
+static inline __m256i e4m3x8_mag(__m256 x, __m256 s, __m256 r) {
+    __m256 q = _mm256_mul_ps(x, r);
+    q = _mm256_fmadd_ps(_mm256_fnmadd_ps(q, s, x), r, q);
     __m256 a = _mm256_and_ps(q, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
-    if (divide) a = _mm256_min_ps(_mm256_set1_ps(448.0f), a); /* NaN stays NaN (2nd operand) */
     __m256i e = _mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(0x7F800000));
     __m256 c = _mm256_castsi256_ps(_mm256_add_epi32(e, _mm256_set1_epi32(20 << 23)));
     c = _mm256_max_ps(c, _mm256_set1_ps(16384.0f));
     __m256 v = _mm256_mul_ps(_mm256_sub_ps(_mm256_add_ps(a, c), c), _mm256_set1_ps(0x1p-120f));
-    __m256i code = _mm256_srli_epi32(_mm256_castps_si256(v), 20);
-    return divide ? _mm256_min_epu32(code, _mm256_set1_epi32(0x7F)) : code;
+    return _mm256_srli_epi32(_mm256_castps_si256(v), 20);
 }
 
 /* 32 codes with their signs: the signs of 16-bit values (bf16, f16) come from packing
@@ -122,15 +121,15 @@ static inline __m256i e4m3x8_mag(__m256 x, __m256 s, __m256 r, int divide) {
  * those of float32s are added per value. */
 static inline __attribute__((always_inline)) void
 codes32(const void *x, int64_t i, int dtype, const float *s, const float *r, int per_col,
-        int divide, uint8_t *c) {
+        uint8_t *c) {
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    const __m256 s1 = _mm256_set1_ps(s[0]), r1 = _mm256_set1_ps(divide ? 0.0f : r[0]);
+    const __m256 s1 = _mm256_set1_ps(s[0]), r1 = _mm256_set1_ps(r[0]);
     __m256i q[4];
     for (int j = 0; j < 4; j++) {
         const __m256 si = per_col ? _mm256_loadu_ps(s + i + 8 * j) : s1;
-        const __m256 ri = per_col && !divide ? _mm256_loadu_ps(r + i + 8 * j) : r1;
+        const __m256 ri = per_col ? _mm256_loadu_ps(r + i + 8 * j) : r1;
         const __m256 xj = load8(x, i + 8 * j, dtype);
-        q[j] = e4m3x8_mag(xj, si, ri, divide);
+        q[j] = e4m3x8_mag(xj, si, ri);
         if (dtype == F32) {
             const __m256i sign = _mm256_srli_epi32(_mm256_castps_si256(xj), 24);
             q[j] = _mm256_or_si256(q[j], _mm256_and_si256(sign, _mm256_set1_epi32(0x80)));
@@ -156,45 +155,42 @@ static inline __m512 load16(const void *x, int64_t i, int dtype) {
     return _mm512_loadu_ps((const float *)x + i);
 }
 
-static inline __m128i e4m3x16(__m512 x, __m512 s, __m512 r, int divide) {
-    __m512 q = divide ? _mm512_div_ps(x, s) : _mm512_mul_ps(x, r);
-    if (!divide) q = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, s, x), r, q);
+static inline __m128i e4m3x16(__m512 x, __m512 s, __m512 r) {
+    __m512 q = _mm512_mul_ps(x, r);
+    q = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, s, x), r, q);
     __m512i a = _mm512_and_si512(_mm512_castps_si512(q), _mm512_set1_epi32(0x7FFFFFFF));
-    __m512 m = _mm512_min_ps(_mm512_set1_ps(448.0f), _mm512_castsi512_ps(a));
-    __m512i e = _mm512_and_si512(_mm512_castps_si512(m), _mm512_set1_epi32(0x7F800000));
+    __m512 m = _mm512_castsi512_ps(a);
+    __m512i e = _mm512_and_si512(a, _mm512_set1_epi32(0x7F800000));
     __m512 c = _mm512_castsi512_ps(_mm512_add_epi32(e, _mm512_set1_epi32(20 << 23)));
     c = _mm512_max_ps(c, _mm512_set1_ps(16384.0f));
     __m512 v = _mm512_mul_ps(_mm512_sub_ps(_mm512_add_ps(m, c), c), _mm512_set1_ps(0x1p-120f));
-    __m512i code = _mm512_min_epu32(_mm512_srli_epi32(_mm512_castps_si512(v), 20),
-                                    _mm512_set1_epi32(0x7F));
+    __m512i code = _mm512_srli_epi32(_mm512_castps_si512(v), 20);
     __m512i sign = _mm512_srli_epi32(_mm512_castps_si512(x), 24);
     code = _mm512_or_si512(code, _mm512_and_si512(sign, _mm512_set1_epi32(0x80)));
     return _mm512_cvtepi32_epi8(code);
 }
 #endif
 
-/* Codes for x[0:n) with scale s[i] and reciprocal r[i] (per_col) or s[0], r[0]; r NULL:
- * divide. Returns how many it did; the caller converts the rest one at a time. */
+/* Codes for x[0:n) with scale s[i] and reciprocal r[i] (per_col) or s[0], r[0]; r NULL (a
+ * scale not finite): none. Returns how many it did; the caller converts the rest one at a
+ * time. */
 static inline __attribute__((always_inline)) int64_t
 codes_fast(const void *x, int dtype, const float *s, const float *r, int per_col, uint8_t *c,
            int64_t n) {
 #if !defined(__F16C__)
     if (dtype == F16) return 0;
 #endif
-    const int divide = r == NULL;
+    if (r == NULL) return 0;
     int64_t i = 0;
 #if defined(__AVX512F__)
-    const __m512 s1 = _mm512_set1_ps(s[0]), r1 = _mm512_set1_ps(divide ? 0.0f : r[0]);
+    const __m512 s1 = _mm512_set1_ps(s[0]), r1 = _mm512_set1_ps(r[0]);
     for (; i + 16 <= n; i += 16) {
         const __m512 si = per_col ? _mm512_loadu_ps(s + i) : s1;
-        const __m512 ri = per_col && !divide ? _mm512_loadu_ps(r + i) : r1;
-        _mm_storeu_si128((__m128i *)(c + i), e4m3x16(load16(x, i, dtype), si, ri, divide));
+        const __m512 ri = per_col ? _mm512_loadu_ps(r + i) : r1;
+        _mm_storeu_si128((__m128i *)(c + i), e4m3x16(load16(x, i, dtype), si, ri));
     }
 #else
-    if (divide)
-        for (; i + 32 <= n; i += 32) codes32(x, i, dtype, s, r, per_col, 1, c);
-    else
-        for (; i + 32 <= n; i += 32) codes32(x, i, dtype, s, r, per_col, 0, c);
+    for (; i + 32 <= n; i += 32) codes32(x, i, dtype, s, r, per_col, c);
 #endif
     return i;
 }
@@ -315,6 +311,37 @@ static void amax16_cols(const uint16_t *restrict x, int64_t n, uint16_t *restric
     }
 }
 
+/* Scratch of the encoders and decoders: per-channel arrays of a slab's head_dim on the stack
+ * up to STACK_DIM (every model's), on the heap above; per-token scales a block of ROWS rows
+ * at a time. Nothing on the stack grows with the input. */
+#define STACK_DIM 1024
+#define ROWS 256
+
+struct columns {
+    uint32_t *m32; /* float32 sources: |x| bits of the column maxima */
+    uint16_t *m16; /* 16-bit sources: the same on 16 bits */
+    float *rcp;    /* the reciprocals of the columns' scales */
+    void *heap;
+    uint32_t m32_stack[STACK_DIM];
+    uint16_t m16_stack[STACK_DIM];
+    float rcp_stack[STACK_DIM];
+};
+
+static int columns_open(struct columns *c, int64_t dim) {
+    c->heap = NULL;
+    c->m32 = c->m32_stack, c->m16 = c->m16_stack, c->rcp = c->rcp_stack;
+    if (dim <= STACK_DIM) return 1;
+    const size_t n = (size_t)dim;
+    c->heap = malloc(n * (sizeof *c->m32 + sizeof *c->rcp + sizeof *c->m16));
+    if (c->heap == NULL) return 0;
+    c->m32 = c->heap;
+    c->rcp = (float *)(c->m32 + n);
+    c->m16 = (uint16_t *)(c->rcp + n);
+    return 1;
+}
+
+static void columns_close(struct columns *c) { free(c->heap); }
+
 /* Row kernels: one load, one store, no branches and restrict pointers, so that each
  * inner loop vectorises (the outer loops below only pick rows). */
 #define DEFINE(DT, NAME)                                                                  \
@@ -362,44 +389,55 @@ static void amax16_cols(const uint16_t *restrict x, int64_t n, uint16_t *restric
         int64_t i = f != NULL ? values_fast(c, f, 1, o, DT, n) : 0;                       \
         for (; i < n; i++) store(o, i, e4m3_value(c[i]) * s[i], DT);                      \
     }                                                                                     \
-    static void encode_##NAME(const char *x, uint8_t *codes, float *scale, int64_t outer, \
-                              int64_t tokens, int64_t dim, int per_token, int64_t esize) { \
-        uint32_t m[dim]; /* per channel: the column maxima of one slab */                 \
-        float rcp[dim];  /* and the reciprocals of their scales */                        \
-        float rcp_t[per_token ? tokens : 1]; /* per token: the rows' reciprocals */       \
+    static int encode_##NAME(const char *x, uint8_t *codes, float *scale, int64_t outer,  \
+                             int64_t tokens, int64_t dim, int per_token, int64_t esize) {  \
+        struct columns cols; /* per channel: a slab's column maxima, their reciprocals */ \
+        float rcp_t[ROWS];   /* per token: a block of rows' reciprocals */                \
+        if (!per_token && !columns_open(&cols, dim)) return -2;                           \
         for (int64_t o = 0; o < outer; o++) {                                             \
             const int64_t base = o * tokens * dim;                                        \
-            if (per_token) { /* all rows' scales first: their divisions overlap */       \
-                float *s = scale + o * tokens;                                            \
-                for (int64_t t = 0; t < tokens; t++)                                      \
-                    amax_row_##NAME(x + (base + t * dim) * esize, dim, s + t);            \
-                for (int64_t t = 0; t < tokens; t++) rcp_t[t] = 1.0f / s[t];              \
-                for (int64_t t = 0; t < tokens; t++) {                                    \
-                    const int64_t row = base + t * dim;                                   \
-                    const float *rp = s[t] - s[t] == 0.0f ? rcp_t + t : NULL;             \
-                    codes_one_##NAME(x + row * esize, s[t], rp, codes + row, dim);        \
+            if (per_token) { /* a block of rows' scales first: their divisions overlap */ \
+                for (int64_t t0 = 0; t0 < tokens; t0 += ROWS) {                           \
+                    const int64_t rows = tokens - t0 < ROWS ? tokens - t0 : ROWS;         \
+                    float *s = scale + o * tokens + t0;                                   \
+                    const char *x0 = x + (base + t0 * dim) * esize;                       \
+                    uint8_t *c0 = codes + base + t0 * dim;                                \
+                    for (int64_t t = 0; t < rows; t++)                                    \
+                        amax_row_##NAME(x0 + t * dim * esize, dim, s + t);                \
+                    for (int64_t t = 0; t < rows; t++) rcp_t[t] = 1.0f / s[t];            \
+                    for (int64_t t = 0; t < rows; t++) {                                  \
+                        const float *rp = s[t] - s[t] == 0.0f ? rcp_t + t : NULL;         \
+                        codes_one_##NAME(x0 + t * dim * esize, s[t], rp, c0 + t * dim, dim); \
+                    }                                                                     \
                 }                                                                         \
             } else {                                                                      \
                 float *s = scale + o * dim;                                               \
-                memset(m, 0, sizeof m);                                                   \
+                if (DT == F32) memset(cols.m32, 0, dim * sizeof *cols.m32);               \
+                else memset(cols.m16, 0, dim * sizeof *cols.m16);                         \
                 for (int64_t t = 0; t < tokens; t++)                                      \
-                    amax_cols_##NAME(x + (base + t * dim) * esize, dim, m);               \
+                    amax_cols_##NAME(x + (base + t * dim) * esize, dim,                   \
+                                     DT == F32 ? (void *)cols.m32 : (void *)cols.m16);    \
                 for (int64_t d = 0; d < dim; d++)                                         \
-                    s[d] = scale_of(DT == F32 ? from_bits(m[d])                           \
-                                              : half_value(((uint16_t *)m)[d], DT));      \
-                const float *r = reciprocals(s, rcp, dim);                                \
+                    s[d] = scale_of(DT == F32 ? from_bits(cols.m32[d])                    \
+                                              : half_value(cols.m16[d], DT));             \
+                const float *r = reciprocals(s, cols.rcp, dim);                           \
                 for (int64_t t = 0; t < tokens; t++)                                      \
                     codes_cols_##NAME(x + (base + t * dim) * esize, s, r,                 \
                                       codes + base + t * dim, dim);                       \
             }                                                                             \
         }                                                                                 \
+        if (!per_token) columns_close(&cols);                                             \
+        return 0;                                                                         \
     }                                                                                     \
     static void decode_##NAME(const uint8_t *codes, const float *scale, char *out,        \
                               int64_t outer, int64_t tokens, int64_t dim, int per_token,  \
                               int64_t esize) {                                            \
-        float folded[per_token ? 1 : dim]; /* per channel: the slab's scales times 2^120 */ \
+        /* per channel: the slab's scales times 2^120 (none if it cannot be had: scalar) */ \
+        float stack[STACK_DIM], *folded = stack;                                          \
+        if (!per_token && dim > STACK_DIM) folded = malloc(dim * sizeof *folded);         \
         for (int64_t o = 0; o < outer; o++) {                                             \
-            const float *f = per_token ? NULL : fold(scale + o * dim, folded, dim);       \
+            const float *f = per_token || folded == NULL ? NULL                           \
+                                                         : fold(scale + o * dim, folded, dim); \
             for (int64_t t = 0; t < tokens; t++) {                                        \
                 const int64_t row = (o * tokens + t) * dim;                               \
                 if (per_token)                                                            \
@@ -408,6 +446,7 @@ static void amax16_cols(const uint16_t *restrict x, int64_t n, uint16_t *restric
                     values_cols_##NAME(codes + row, scale + o * dim, f, out + row * esize, dim); \
             }                                                                             \
         }                                                                                 \
+        if (folded != stack) free(folded);                                                \
     }
 DEFINE(F32, f32)
 DEFINE(BF16, bf16)
@@ -450,7 +489,7 @@ DEFINE_BLOCKS(F32, f32)
 DEFINE_BLOCKS(BF16, bf16)
 DEFINE_BLOCKS(F16, f16)
 
-typedef void (*encoder)(const char *, uint8_t *, float *, int64_t, int64_t, int64_t, int,
+typedef int (*encoder)(const char *, uint8_t *, float *, int64_t, int64_t, int64_t, int,
                         int64_t);
 typedef void (*decoder)(const uint8_t *, const float *, char *, int64_t, int64_t, int64_t, int,
                         int64_t);
@@ -480,9 +519,9 @@ int kv_fp8_encode(const void *x, int dtype, uint8_t *codes, float *scale, int64_
                   int64_t tokens, int64_t dim, int per_token) {
     if (dtype < F32 || dtype > F16) return -1;
     const unsigned int csr = exact_fp_begin();
-    ENCODERS[dtype](x, codes, scale, outer, tokens, dim, per_token, ESIZE[dtype]);
+    const int rc = ENCODERS[dtype](x, codes, scale, outer, tokens, dim, per_token, ESIZE[dtype]);
     exact_fp_end(csr);
-    return 0;
+    return rc;
 }
 
 int kv_fp8_decode(const uint8_t *codes, const float *scale, void *out, int dtype, int64_t outer,

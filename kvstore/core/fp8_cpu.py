@@ -165,7 +165,10 @@ def encode_calls(
     lib, dtype = load(), DTYPES[x.dtype]
 
     def kernel(at: list[int], count: int) -> None:
-        if lib.kv_fp8_encode(at[0], dtype, at[1], at[2], count, tokens, dim, per_token) != 0:
+        rc = lib.kv_fp8_encode(at[0], dtype, at[1], at[2], count, tokens, dim, per_token)
+        if rc == -2:
+            raise MemoryError(f"fp8 encode: no memory for {dim} channels' scratch")
+        if rc != 0:
             raise ValueError(f"fp8 encode refused dtype {x.dtype}")
 
     return _ranges(kernel, (x.data_ptr(), codes.data_ptr(), scale.data_ptr()), rows, rows[0], outer)

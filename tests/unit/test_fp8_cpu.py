@@ -119,6 +119,22 @@ def test_nan_and_inf_in_the_cache_spoil_only_their_own_slice_as_eager(native):
     assert got[1][1, 0, 3].isnan().all() and got[1][1, 0, 2].isfinite().all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_wide_head_and_a_long_slab_are_encoded_and_decoded_as_eager(native, dtype):
+    """Scratch that grows with the input stays off the stack: per-channel scales of a head
+    wider than the loops keep on the stack, and per-token scales of a slab of 3M tokens
+    (12 MiB of them: a stack array that size ended the process)."""
+    g = torch.Generator().manual_seed(7)
+    wide = torch.randn(1, 2, 8, 1500, generator=g).to(dtype)
+    want = eager(codec.encode, wide, wide, "fp8")
+    got = codec.encode(wide, wide, "fp8")
+    assert bytes(got) == bytes(want)
+    for a, b in zip(codec.decode(got), eager(codec.decode, want)):
+        assert torch.equal(a, b)
+    long = torch.randn(1, 1, 3 << 20, 2, generator=g).to(dtype)
+    assert bytes(codec.encode(long, long, "fp8")) == bytes(eager(codec.encode, long, long, "fp8"))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quotients_next_to_a_rounding_tie_are_the_eager_kernels_codes(native, dtype):
     """The loops skip the division (a reciprocal and two FMAs): values that land within a
