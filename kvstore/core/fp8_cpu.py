@@ -164,7 +164,7 @@ def encode_calls(
     rows = (tokens * dim * x.element_size(), tokens * dim, 4 * (tokens if per_token else dim))
     lib, dtype = load(), DTYPES[x.dtype]
 
-    def kernel(at: list[int], count: int) -> None:
+    def kernel(at: list[int], count: int, _keep=(x, codes, scale)) -> None:  # see _block_calls
         rc = lib.kv_fp8_encode(at[0], dtype, at[1], at[2], count, tokens, dim, per_token)
         if rc == -2:
             raise MemoryError(f"fp8 encode: no memory for {dim} channels' scratch")
@@ -183,7 +183,7 @@ def decode_calls(
     rows = (tokens * dim, 4 * (tokens if per_token else dim), tokens * dim * out.element_size())
     lib, dtype = load(), DTYPES[out.dtype]
 
-    def kernel(at: list[int], count: int) -> None:
+    def kernel(at: list[int], count: int, _keep=(codes, scale, out)) -> None:
         if lib.kv_fp8_decode(at[0], at[1], at[2], dtype, count, tokens, dim, per_token) != 0:
             raise ValueError(f"fp8 decode refused dtype {out.dtype}")
 
@@ -251,8 +251,9 @@ def _block_calls(
     ):
         raise ValueError("paged blocks: a block would be written outside the cache")
     ptrs = ptrs.contiguous()
+    keep = (ptrs, offsets, out)  # the calls hold their addresses: they live as long as the calls
 
-    def call(at: list[int], count: int) -> None:
+    def call(at: list[int], count: int, _keep=keep) -> None:
         geo = torch.tensor([count, *geometry], dtype=torch.int64)
         if kernel(at[0], at[1], geo.data_ptr()) != 0:
             raise ValueError(f"paged blocks: the kernel refused {out.dtype}")

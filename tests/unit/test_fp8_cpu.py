@@ -1,7 +1,9 @@
 """The fp8 codec's C loops on CPU: the eager torch kernels' bytes, built once, optional."""
 
+import gc
 import logging
 import os
+import weakref
 
 import pytest
 import torch
@@ -173,6 +175,38 @@ def test_a_thread_that_flushes_subnormals_still_gets_exact_codes_and_values(nati
     assert bytes(got) == bytes(want)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
     assert torch.tensor([1e-40]).mul(1.0).item() != 0.0  # the mode is the caller's again
+
+
+def test_calls_hold_the_tensors_behind_their_addresses(native):
+    """A call holds raw addresses, so it holds the tensors behind them too: a maker that
+    drops its tensors before the calls run must not leave them pointing at freed memory."""
+
+    def made():
+        x, values = torch.randn(64, 64), torch.empty(64, 64)
+        codes, scale = torch.empty(64, 64, dtype=torch.uint8), torch.empty(64)
+        calls = fp8_cpu.encode_calls(x, codes, scale, per_token=True)
+        calls += fp8_cpu.decode_calls(codes, scale, values, per_token=True)
+        # two raw chunks of [1 head, 32 tokens, 64] into 4 blocks of 16 (K [D, N], V [N, D])
+        k, v = torch.randn(2, 1, 32, 64), torch.randn(2, 1, 32, 64)
+        cache = torch.zeros(4, 1, 16, 128)
+        ptrs = torch.tensor([[k[j].data_ptr(), v[j].data_ptr()] for j in range(2)])
+        offsets = torch.arange(4) * (16 * 128)
+        geometry = (1, 32, 64, 16, 16 * 128, 1, 16, 16 * 64, 64, 1)
+        calls += fp8_cpu.copy_blocks_calls(ptrs, offsets, cache, geometry)
+        tensors = (x, values, codes, scale, ptrs, offsets, cache)
+        return calls, [weakref.ref(t) for t in tensors], (k, v)
+
+    calls, refs, (k, v) = made()
+    gc.collect()
+    assert all(r() is not None for r in refs)
+    fp8_cpu.run(calls)
+    cache = refs[-1]()
+    block = cache.view(4, 16 * 128)  # each block: K as [64, 16], then V as [16, 64]
+    assert torch.equal(block[1, 16 * 64 :].view(16, 64), v[0, 0, 16:])  # chunk 0's tokens 16-31
+    assert torch.equal(block[2, : 16 * 64].view(64, 16), k[1, 0, :16].T)  # chunk 1's first
+    del calls, cache, block
+    gc.collect()
+    assert all(r() is None for r in refs)  # and they go with the calls
 
 
 def test_mismatched_buffers_are_refused_before_any_write(native):
