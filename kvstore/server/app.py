@@ -8,7 +8,9 @@ is given (``kvstore.server.config.load_config``) is all it goes by.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -102,17 +104,31 @@ def serve(config: Config) -> int:
         if running.metrics
         else "off"
     )
-    print(
-        f"kvstore listening on {running.address} (tiers: {tiers}; "
-        f"{len(running.server.store.index)} chunks loaded)\n"
-        f"  metrics: {metrics}\n"
-        f"  try:     kvstore stats --address {running.address}",
-        flush=True,
-    )
-    while not stop.wait(0.5):
-        pass
-    print(
-        "kvstore: shutting down (finishing in-flight calls, flushing)", file=sys.stderr, flush=True
-    )
-    running.stop()
+    try:
+        _say(
+            f"kvstore listening on {running.address} (tiers: {tiers}; "
+            f"{len(running.server.store.index)} chunks loaded)\n"
+            f"  metrics: {metrics}\n"
+            f"  try:     kvstore stats --address {running.address}",
+            sys.stdout,
+        )
+        while not stop.wait(0.5):
+            pass
+        _say("kvstore: shutting down (finishing in-flight calls, flushing)", sys.stderr)
+    finally:
+        running.stop()
     return 0
+
+
+def _say(text: str, stream) -> None:
+    """Print a status line. A stream nobody reads any more (its supervisor died, the
+    pipe closed) must not keep the store from stopping cleanly: it flushes the nvme
+    writer's queue and unlinks its shared memory on the way out. Such a stream is sent
+    to /dev/null from then on, so that exiting does not fail on it either."""
+    try:
+        print(text, file=stream, flush=True)
+    except (BrokenPipeError, ValueError, OSError):
+        with contextlib.suppress(OSError, ValueError):
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, stream.fileno())
+            os.close(null)

@@ -5,6 +5,7 @@ restart maps the new store's region and lets go of the old one."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 from kvstore.client import ClientOptions, KVStoreClient
@@ -97,3 +98,31 @@ def test_a_client_maps_the_restarted_stores_region_and_unmaps_the_old(tmp_path, 
     finally:
         if served.proc.poll() is None:
             served.stop()  # SIGTERM: the store removes its region (kill would leave it)
+
+
+def test_a_store_whose_output_nobody_reads_still_stops_cleanly(tmp_path, raw_stub):
+    """Its supervisor gone (the pipes of its stdout and stderr closed), a SIGTERM still stops
+    the store the clean way: exit status 0, its region unlinked, what it stored there on
+    disk for the next store. Printing its last status line used to raise BrokenPipeError
+    and skip the whole shutdown."""
+    argv = serve_argv(tmp_path, free_port())
+    records = chain(8, seed=300)
+    served = Served(argv)
+    try:
+        with KVStoreClient(served.address, PATIENT) as client:
+            assert client.put(records).stored == 8
+        region = region_of(raw_stub(served.address), records[0].key)
+        served.proc.stdout.close()
+        served.proc.stderr.close()
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(30) == 0
+    finally:
+        if served.proc.poll() is None:
+            served.kill()
+    assert region not in regions()
+    served = Served(argv)
+    try:
+        with KVStoreClient(served.address, PATIENT) as client:
+            assert [bytes(p) for p in client.get(keys_of(records))] == payloads_of(records)
+    finally:
+        served.stop()
