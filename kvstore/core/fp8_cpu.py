@@ -128,20 +128,28 @@ Call = tuple[Callable[[], object], int]  # a kernel call over a range of rows, b
 
 def _ranges(
     kernel: Callable[[list[int], int], None],
-    ptrs: tuple[int, ...],
+    tensors: tuple[torch.Tensor, ...],
     rows: tuple[int, ...],
     values_row: int,
     outer: int,
 ) -> list[Call]:
     """``kernel(pointers, count)`` over ``outer`` rows split into ranges, one per lane where
-    the tensor is large (``ptrs`` advance by ``rows`` bytes per row)."""
+    the tensor is large (the pointers: ``tensors``' data, advanced by ``rows`` bytes per
+    row). Each call holds the tensors, so that the addresses it carries stay theirs for
+    as long as the call may run, whatever its maker keeps."""
     parts = min(LANES, outer) if outer * values_row >= SPLIT_BYTES else 1
+    ptrs = [t.data_ptr() for t in tensors]
     calls: list[Call] = []
     for i in range(parts):
         lo, hi = outer * i // parts, outer * (i + 1) // parts
         at = [p + lo * size for p, size in zip(ptrs, rows, strict=True)]
-        calls.append((functools.partial(kernel, at, hi - lo), (hi - lo) * values_row))
+        call = functools.partial(_held, kernel, at, hi - lo, tensors)
+        calls.append((call, (hi - lo) * values_row))
     return calls
+
+
+def _held(kernel: Callable[[list[int], int], None], at: list[int], count: int, _tensors) -> None:
+    kernel(at, count)
 
 
 def _check_sizes(values: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, per_token: bool):
@@ -164,14 +172,14 @@ def encode_calls(
     rows = (tokens * dim * x.element_size(), tokens * dim, 4 * (tokens if per_token else dim))
     lib, dtype = load(), DTYPES[x.dtype]
 
-    def kernel(at: list[int], count: int, _keep=(x, codes, scale)) -> None:  # see _block_calls
+    def kernel(at: list[int], count: int) -> None:
         rc = lib.kv_fp8_encode(at[0], dtype, at[1], at[2], count, tokens, dim, per_token)
         if rc == -2:
             raise MemoryError(f"fp8 encode: no memory for {dim} channels' scratch")
         if rc != 0:
             raise ValueError(f"fp8 encode refused dtype {x.dtype}")
 
-    return _ranges(kernel, (x.data_ptr(), codes.data_ptr(), scale.data_ptr()), rows, rows[0], outer)
+    return _ranges(kernel, (x, codes, scale), rows, rows[0], outer)
 
 
 def decode_calls(
@@ -183,13 +191,11 @@ def decode_calls(
     rows = (tokens * dim, 4 * (tokens if per_token else dim), tokens * dim * out.element_size())
     lib, dtype = load(), DTYPES[out.dtype]
 
-    def kernel(at: list[int], count: int, _keep=(codes, scale, out)) -> None:
+    def kernel(at: list[int], count: int) -> None:
         if lib.kv_fp8_decode(at[0], at[1], at[2], dtype, count, tokens, dim, per_token) != 0:
             raise ValueError(f"fp8 decode refused dtype {out.dtype}")
 
-    return _ranges(
-        kernel, (codes.data_ptr(), scale.data_ptr(), out.data_ptr()), rows, rows[2], outer
-    )
+    return _ranges(kernel, (codes, scale, out), rows, rows[2], outer)
 
 
 def decode_blocks_calls(
@@ -251,16 +257,15 @@ def _block_calls(
     ):
         raise ValueError("paged blocks: a block would be written outside the cache")
     ptrs = ptrs.contiguous()
-    keep = (ptrs, offsets, out)  # the calls hold their addresses: they live as long as the calls
 
-    def call(at: list[int], count: int, _keep=keep) -> None:
+    def call(at: list[int], count: int) -> None:
         geo = torch.tensor([count, *geometry], dtype=torch.int64)
         if kernel(at[0], at[1], geo.data_ptr()) != 0:
             raise ValueError(f"paged blocks: the kernel refused {out.dtype}")
 
     values_chunk = 2 * heads * tokens * dim * out.element_size()
     rows = (width * 8, per_chunk * 8)  # bytes of pointers and of offsets per chunk
-    return _ranges(call, (ptrs.data_ptr(), offsets.data_ptr()), rows, values_chunk, chunks)
+    return _ranges(call, (ptrs, offsets), rows, values_chunk, chunks)
 
 
 def run(calls: list[Call]) -> None:

@@ -127,7 +127,7 @@ def _say(text: str, stream) -> None:
     to /dev/null from then on, so that exiting does not fail on it either."""
     try:
         print(text, file=stream, flush=True)
-    except (BrokenPipeError, ValueError, OSError):
+    except (OSError, ValueError):  # a broken pipe; a stream already closed
         with contextlib.suppress(OSError, ValueError):
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, stream.fileno())
