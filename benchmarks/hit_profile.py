@@ -7,8 +7,9 @@ A ``kvstore serve`` process (DRAM tier) holds prefixes saved by a real ``WorkerH
 from a paged CPU cache of ``ttft.py``'s model (2 layers, 1 KV head x 64, float32,
 block 32, chunk 256 tokens); a second ``WorkerHalf`` loads them into other blocks, each
 stage timed apart as the connector runs it: ``lookup`` (the scheduler's one Lookup with a
-lease), ``transfer`` (gRPC Get; on the same host only the GetShm that leases the chunks
-where the store keeps them), ``decode`` (``codec.decode_many``, reading shared memory in
+lease; on the same host it also says where the store keeps the chunks), ``transfer`` (gRPC
+Get; on the same host with ``shm`` only checking those places, no call, and with
+``shm_copy`` a GetShm and the copy into a staging buffer), ``decode`` (``codec.decode_many``, reading shared memory in
 place; same-host ``raw`` chunks as one strided batch of views of the region; fp8 on the
 C loops only checked here, decoded in ``scatter``), ``scatter`` (into the paged blocks,
 all whole chunks of a layer in one copy, or fp8 decoded straight into them; with the check
@@ -85,10 +86,11 @@ def profile(
     for r, keys in enumerate(prefixes):
         parts = [part_key(k, 0, 1) for k in keys]
         t0 = time.perf_counter()
-        hit = client.lookup(keys, lease_ttl_s=30.0)
+        # as the connector does: same host, the leased lookup says where the chunks lie
+        hit = client.lookup(keys, lease_ttl_s=30.0, shm=in_place and transport == "shm")
         t1 = time.perf_counter()
-        # as the connector does: same host, read in place in the store's shared memory
-        views = loader._shm_views(parts) if in_place else None
+        # ...and they are read in place in the store's shared memory
+        views = loader._shm_views(parts, hit.shm) if in_place else None
         payloads = views.views if views is not None else loader._fetch(parts)
         t2 = time.perf_counter()
         decoded, _ = codec.decode_many(payloads, defer_fp8=loader._defer_fp8)
@@ -99,7 +101,7 @@ def profile(
         t4 = time.perf_counter()
         if hit.matched != len(keys) or len(payloads) != len(keys) or good != len(keys):
             raise RuntimeError(f"hit {hit.matched}/{len(keys)}, got {len(payloads)}, {good} good")
-        if hit.lease_id:
+        if hit.lease_id and hit.shm is None:  # a grant's lease is the reader's to end
             client.release(hit.lease_id)
         for name, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
             stages[name].append(dt)

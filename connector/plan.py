@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvstore.core.types import ShmGrant
+
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 except ImportError:  # plans are plain data; vLLM only supplies the base class
@@ -34,6 +36,9 @@ class LoadSpec:
     block_ids: list[int]
     first_block: int
     background: bool = False  # vLLM waits for it (get_finished), not the forward
+    # per tensor-parallel rank, where the leased lookup found its parts in the store's
+    # shared memory (same host): that rank's worker reads them with no GetShm of its own
+    shm: tuple[ShmGrant | None, ...] = ()
 
 
 @dataclass

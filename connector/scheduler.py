@@ -7,6 +7,9 @@ spec (its LoRA adapter, cache salt and multimodal inputs included, see
 ``connector.identity``), asks the store with one ``Lookup`` per tensor-parallel
 rank, all at once (each bounded by ``lookup_timeout_s``), and never reports the whole sequence: at
 least one token is always left to compute. Any store failure means "0 tokens".
+On the store's host a lookup that leases a hit also gets the chunks' places in shared
+memory; the load hands each rank's lease and places to that rank's worker, which
+reads with no GetShm of its own and ends the lease when its read is done.
 
 Every request that vLLM counts external tokens for gets a load in the step it
 is scheduled, whether it is new or resumed after a preemption (vLLM resets a
@@ -39,6 +42,7 @@ from connector.plan import KVStoreMetadata, LoadSpec, SaveSpec
 from connector.planner import LoadPlanner
 from connector.waits import Wait
 from kvstore.core.keys import Namespace, part_key
+from kvstore.core.types import ShmGrant
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,8 @@ class _Request:
     load_tokens: tuple[int, int] | None = None  # [local computed, external end) to load
     allocated: bool = False  # vLLM allocated blocks for load_tokens: load this step
     lease_ids: list[int] = field(default_factory=list)
+    # per rank: where the leased lookup found the chunks in shared memory (same host)
+    grants: tuple[ShmGrant | None, ...] = ()
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0  # leading chunks stored or planned for saving; -1: saving given up
     wait: Wait | None = None  # waiting for chunks another node is computing
@@ -217,6 +223,9 @@ class SchedulerHalf(NodeCoordination):
         engine already computes it (single-flight; rank 0's keys stand for all ranks).
         """
         ttl = self.config.lease_ttl_s if lease else 0.0
+        # same host: the leased chunks' places in shared memory come back with the lease,
+        # so the workers read them without a GetShm round trip of their own
+        shm = lease and self.config.same_host
         self.counters.lookups += 1
 
         def ask(rank: int):
@@ -224,7 +233,7 @@ class SchedulerHalf(NodeCoordination):
             extra = {}
             if reserve and rank == 0:
                 extra = {"reserve_ttl_s": self.config.reserve_ttl_s, "holder": self.holder}
-            return self.client.lookup(parts, lease_ttl_s=ttl, **extra)
+            return self.client.lookup(parts, lease_ttl_s=ttl, shm=shm, **extra)
 
         try:
             if self.tp == 1:
@@ -235,6 +244,8 @@ class SchedulerHalf(NodeCoordination):
                 futures = [self._pool.submit(ask, rank) for rank in range(self.tp)]
                 results = [f.result() for f in futures]
             state.lease_ids += [r.lease_id for r in results if r.lease_id]
+            if lease:
+                state.grants = tuple(r.shm for r in results)
             matched = min(r.matched for r in results)
             pending = results[0].pending
             self.counters.reservations += results[0].reserved > 0
@@ -331,12 +342,18 @@ class SchedulerHalf(NodeCoordination):
         n_chunks = -(-end // chunk)
         n_blocks = -(-end // self.block_size)
         self.counters.loads_planned += 1
+        # each rank's worker takes over its lease with the grant and ends it once its
+        # read is done, so the leased bytes outlive this request even if it is aborted
+        grants, state.grants = state.grants, ()
+        handed = {g.lease_id for g in grants if g is not None}
+        state.lease_ids = [i for i in state.lease_ids if i not in handed]
         return LoadSpec(
             req_id,
             state.chain.keys[:n_chunks],
             state.block_ids[:n_blocks],
             local // self.block_size,
             background,
+            grants,
         )
 
     def _plan_save(self, req_id: str, state: _Request, computed: int, out, meta) -> None:
@@ -393,6 +410,7 @@ class SchedulerHalf(NodeCoordination):
             with contextlib.suppress(Exception):  # otherwise the lease simply expires
                 self.client.release_later(lease_id)
         state.lease_ids.clear()
+        state.grants = ()
 
     def _log_once(self, kind: str, msg: str, *args) -> None:
         if kind not in self._logged:

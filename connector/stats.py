@@ -37,6 +37,7 @@ HELP = {
     "saved_bytes": "Payload bytes the store took",
     "save_seconds": "Seconds spent sending saves (background; the engine does not wait)",
     "load_failures": "Loads that failed or came back short (recomputed)",
+    "granted_loads": "Loads read where the scheduler's lookup found them in shared memory",
     "timed_tokens": "Tokens of the forwards the load planner timed (prefill, no load)",
     "timed_seconds": "Seconds of those forwards (the planner's compute speed)",
     "planner_skipped_tokens": "Hit tokens computed instead: measured slower to load than compute",

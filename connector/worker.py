@@ -46,7 +46,7 @@ from kvstore.core import codec
 from kvstore.core.fp8_blocks import Fp8Batch
 from kvstore.core.keys import Namespace, part_key
 from kvstore.core.payload import expected_body_len
-from kvstore.core.types import ChunkRecord
+from kvstore.core.types import ChunkRecord, ShmGrant
 
 log = logging.getLogger(__name__)
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
@@ -61,6 +61,7 @@ class WorkerCounters:
     load_fetch_seconds: float = 0.0  # of which getting the bytes (shared memory or gRPC)
     load_decode_seconds: float = 0.0  # of which decoding them (the rest: into the blocks)
     load_failures: int = 0
+    granted_loads: int = 0  # read under the scheduler's lookup's shm handles (no GetShm)
     saved_chunks: int = 0
     saved_bytes: int = 0
     save_seconds: float = 0.0  # sending (the background thread; the engine never waits)
@@ -328,7 +329,10 @@ class WorkerHalf:
         nbytes = 0
         stacked = views = None
         try:
-            views = self._shm_views(keys)
+            grant = spec.shm[self.rank] if self.rank < len(spec.shm) else None
+            views = self._shm_views(keys, grant)
+            if grant is not None and views is not None and views.batch.lease_id == grant.lease_id:
+                self._count("granted_loads", 1)
             payloads = views.views if views is not None else self._fetch(keys, slot)[: len(keys)]
             t1 = time.perf_counter()
             self._count("load_fetch_seconds", t1 - t0)
@@ -347,14 +351,17 @@ class WorkerHalf:
         plan = self._scatter_plan(len(decoded), spec, stacked is not None)
         return _Fetched(spec, decoded, nbytes, t0, plan, stacked, views=views)
 
-    def _shm_views(self, keys: list[bytes]) -> ShmViews | None:
+    def _shm_views(self, keys: list[bytes], grant: ShmGrant | None = None) -> ShmViews | None:
         """On the store's host, the stored prefix as views into its shared memory, leased
         (read there by the decode and the copy into blocks: no copy of its own); None to
-        fetch instead (not on the host, several stores, a chunk not in shared memory)."""
+        fetch instead (not on the host, several stores, a chunk not in shared memory).
+        ``grant``, the scheduler's leased lookup's handles, saves asking for them again."""
         shm_views = getattr(self.client, "shm_views", None)  # not on a ShardedClient
         if not self.config.same_host or shm_views is None:
+            if grant is not None:  # never given here; still, the lease is ours to end
+                self.client.release_later(grant.lease_id)
             return None
-        return shm_views(keys, timeout_s=self.config.load_timeout_s)
+        return shm_views(keys, timeout_s=self.config.load_timeout_s, grant=grant)
 
     def _raw_stacked(self, slot: object, decoded: list, views: ShmViews | None = None):
         """Same-host ``raw`` chunks lie one stride apart, in the slot's staging buffer or

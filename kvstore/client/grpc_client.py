@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.client.shm_reader import ShmReader, ShmReadStats, copier
 from kvstore.core import wire
-from kvstore.core.types import ChunkRecord, KVStoreError, LookupResult, PutResult
+from kvstore.core.types import ChunkRecord, KVStoreError, LookupResult, PutResult, ShmGrant
 from kvstore.rpc.pb import SERVICE, pb
 from kvstore.rpc.tls import ClientAuth
 
@@ -43,6 +43,10 @@ MAX_ATTEMPTS = 5
 # A shared-memory copy that ends within this fraction of its lease (counted from before the
 # GetShm was sent) is trusted without waiting for the Release answer (``_end_lease``).
 LEASE_TRUSTED_FRACTION = 0.5
+# A leased lookup's shared-memory handles are used by a reader only this early in their
+# lease (a load that starts later asks GetShm for a lease of its own), so that the read
+# ends well within LEASE_TRUSTED_FRACTION of it.
+GRANT_FRESH_FRACTION = 0.25
 # The calls gRPC may retry: asking again changes nothing the caller did not ask for. A retried
 # Lookup with a lease (or a reservation) or ReserveShm may leave a second one behind, which
 # lapses; Put stores duplicates. Release is not here: a retry after a lost answer would say
@@ -213,9 +217,13 @@ def _encoded(
             yield wire.encode_put_request(whole)
 
 
-def _lookup_result(resp: pb.LookupResponse) -> LookupResult:
+def _lookup_result(resp: pb.LookupResponse, sent: float = 0.0) -> LookupResult:
+    grant = None
+    if resp.handles and resp.lease_id and resp.lease_ttl_s > 0:
+        handles = tuple((h.region, h.offset, h.length) for h in resp.handles)
+        grant = ShmGrant(resp.lease_id, resp.lease_ttl_s, sent, handles)
     return LookupResult(
-        resp.matched, list(resp.tiers), resp.lease_id or None, resp.pending, resp.reserved
+        resp.matched, list(resp.tiers), resp.lease_id or None, resp.pending, resp.reserved, grant
     )
 
 
@@ -293,16 +301,24 @@ class KVStoreClient:
         *,
         reserve_ttl_s: float = 0.0,
         holder: str = "",
+        shm: bool = False,
     ) -> LookupResult:
         """The stored prefix; with ``reserve_ttl_s``, single-flight: the missing rest is
         reserved to ``holder`` (``reserved``) unless another producer is computing it
-        (``pending``: wait for its puts)."""
+        (``pending``: wait for its puts). With a lease and ``shm``, a store on this host
+        also says where the leading leased chunks lie in its shared memory (``shm``, a
+        ``ShmGrant`` for ``shm_views``, here or in another process of this host)."""
         req = pb.LookupRequest(
-            keys=keys, lease_ttl_s=lease_ttl_s, reserve_ttl_s=reserve_ttl_s, holder=holder
+            keys=keys,
+            lease_ttl_s=lease_ttl_s,
+            reserve_ttl_s=reserve_ttl_s,
+            holder=holder,
+            shm=shm and lease_ttl_s > 0,
         )
+        sent = time.monotonic()
         # a retried leased lookup could leave a second lease behind; it just expires
         resp = self._call("Lookup", self._lookup, req, timeout_s=timeout_s)
-        return _lookup_result(resp)
+        return _lookup_result(resp, sent)
 
     def get(
         self, keys: Sequence[bytes], *, shm: bool = False, timeout_s: float | None = None
@@ -427,7 +443,12 @@ class KVStoreClient:
         """Chunks this client took from shared memory, and why others came over TCP."""
         return self._shm.stats
 
-    def shm_views(self, keys: Sequence[bytes], timeout_s: float | None = None) -> ShmViews | None:
+    def shm_views(
+        self,
+        keys: Sequence[bytes],
+        timeout_s: float | None = None,
+        grant: ShmGrant | None = None,
+    ) -> ShmViews | None:
         """The stored prefix of ``keys`` as views straight into the store's shared memory,
         under a lease, nothing copied: for a reader that uses each byte once (decoding or
         scattering it) and can take back what it did. None when any chunk of the prefix is
@@ -435,7 +456,17 @@ class KVStoreClient:
 
         The views must be treated as read-only, and trusted only for the leading chunks
         ``ShmViews.end()`` counts once the caller is done with them.
+
+        With ``grant`` (a leased lookup's ``shm``, made here or by another process of
+        this host), the caller takes over that lookup's lease: it is this call's to end,
+        used or not. A grant that covers every key and is fresh saves the GetShm: the
+        views lie under its lease, which ``end`` releases as it would GetShm's.
         """
+        if grant is not None:
+            got = self._granted_views(keys, grant)
+            if got is not None:
+                return got
+            self.release_later(grant.lease_id)  # passed over: the GetShm below leases anew
         batch, sent = self._get_shm_leased(keys, timeout_s)
         got = None
         if batch.matched and len(batch.handles) == batch.matched:
@@ -445,6 +476,25 @@ class KVStoreClient:
                 self._end_lease(batch, sent)
             return ShmViews(self, batch, sent, keys, None, []) if not batch.matched else None
         return ShmViews(self, batch, sent, keys, *got)
+
+    def _granted_views(self, keys: Sequence[bytes], grant: ShmGrant) -> ShmViews | None:
+        fresh = time.monotonic() - grant.sent < grant.lease_ttl_s * GRANT_FRESH_FRACTION
+        if fresh and len(grant.handles) >= len(keys) > 0:
+            batch = pb.ShmBatch(
+                matched=len(keys),
+                lease_id=grant.lease_id,
+                handles=[
+                    pb.ShmHandle(region=r, offset=o, length=n)
+                    for r, o, n in grant.handles[: len(keys)]
+                ],
+                lease_ttl_s=grant.lease_ttl_s,
+            )
+            got = self._shm.views(keys, batch.handles)
+            if got is not None:
+                self._shm.stats.grants_used += 1
+                return ShmViews(self, batch, grant.sent, keys, *got)
+        self._shm.stats.grants_unused += 1
+        return None
 
     def get_shm_into(
         self, keys: Sequence[bytes], dests: Sequence, timeout_s: float | None = None

@@ -55,6 +55,8 @@ class ShmReadStats:
     bad_length: int = 0  # the payload header disagrees with the handle's length
     region_unavailable: int = 0  # the region could not be mapped
     regions_mapped: int = 0  # a region mapped here, the first and each after a restart
+    grants_used: int = 0  # reads done under a leased lookup's handles (no GetShm)
+    grants_unused: int = 0  # a leased lookup's handles passed over: stale, short or unusable
 
     def count(self, handles: int, good: int, held: bool) -> int:
         """Count a leased batch of ``handles`` of which ``good`` held their chunk; none

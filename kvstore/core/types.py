@@ -2,6 +2,7 @@
 
 Offers: ``ChunkKey`` (16 raw bytes), ``ChunkRecord`` (what a tier stores),
 ``LookupResult`` and ``PutResult`` (what the store and the client both answer),
+``ShmGrant`` (shared-memory handles a leased lookup hands a same-host caller),
 ``KVStoreError`` and its subclasses, the error types every layer raises.
 """
 
@@ -71,6 +72,23 @@ class ChunkRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class ShmGrant:
+    """Where the leading chunks of a leased lookup lie in the store's shared memory.
+
+    ``handles`` are (region, offset, length), in key order, valid while lease
+    ``lease_id`` lasts: ``lease_ttl_s`` from when the store granted it, which was
+    after ``sent`` (the caller's ``time.monotonic()`` before it asked; the clock is
+    system-wide, so any process on the host can judge the lease by it). Plain
+    values only: it travels from a scheduler to its workers.
+    """
+
+    lease_id: int
+    lease_ttl_s: float
+    sent: float
+    handles: tuple[tuple[str, int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class LookupResult:
     """The stored prefix of a key chain: its length, the tier of each chunk, a lease."""
 
@@ -79,6 +97,7 @@ class LookupResult:
     lease_id: int | None = None
     pending: int = 0  # missing chunks another producer is computing (wait for them)
     reserved: int = 0  # missing chunks now reserved to the caller (compute and put them)
+    shm: ShmGrant | None = None  # asked for with the lease, by a caller on the store's host
 
 
 @dataclass(frozen=True, slots=True)

@@ -124,9 +124,7 @@ class ReadPaths:
         them out with no copy of its own), the rest read and then promoted.
         """
         check_keys(keys)
-        shm_tier = next(
-            (t for t, tier in enumerate(self.tiers) if hasattr(tier, "region_name")), None
-        )
+        shm_tier = self._shm_tier()
         with self._lock:
             nodes = owned_chain(self.index.match(keys), owner)
             self.index.touch(nodes)
@@ -137,18 +135,10 @@ class ReadPaths:
             lease_id = self.index.lease(nodes, lease_ttl_s)
             refs: list = []
             for node in nodes:
-                handle = None
-                if shm_tier is not None and node.in_tier(shm_tier):
-                    handle = self.tiers[shm_tier].slot_handle(node.key)
-                if handle is None:
-                    refs.append(None)
-                    continue
-                tier = self.tiers[shm_tier]
-                if views:
-                    refs.append(tier.read([node.key])[0])
-                else:
-                    refs.append(ShmRef(tier.region_name, handle[0], handle[1]))
-                self._count_hit(shm_tier, handle[1])
+                ref = self._shm_ref(shm_tier, node)
+                if ref is not None and views:
+                    ref = self.tiers[shm_tier].read([node.key])[0]
+                refs.append(ref)
         missing = [i for i, ref in enumerate(refs) if ref is None]
         if missing and views:
             payloads = self.get([n.key for n in nodes[: missing[-1] + 1]], owner)
@@ -158,6 +148,32 @@ class ReadPaths:
                     break
                 refs[i] = payloads[i]
         return lease_id, refs
+
+    def _shm_tier(self) -> int | None:
+        """The tier whose slots lie in shared memory, if any."""
+        return next((t for t, tier in enumerate(self.tiers) if hasattr(tier, "region_name")), None)
+
+    def _shm_ref(self, shm_tier: int | None, node: Node) -> ShmRef | None:
+        """Where ``node``'s chunk lies in shared memory, counted as a hit; None if it is
+        not there in one piece. Lock held; valid while a lease holds the node."""
+        if shm_tier is None or not node.in_tier(shm_tier):
+            return None
+        tier = self.tiers[shm_tier]
+        handle = tier.slot_handle(node.key)
+        if handle is None:
+            return None
+        self._count_hit(shm_tier, handle[1])
+        return ShmRef(tier.region_name, handle[0], handle[1])
+
+    def _leading_shm_refs(self, nodes: Sequence[Node]) -> list[ShmRef]:
+        """The leading ``nodes`` shared memory holds, as handed to a leased lookup."""
+        shm_tier, refs = self._shm_tier(), []
+        for node in nodes:
+            ref = self._shm_ref(shm_tier, node)
+            if ref is None:
+                break
+            refs.append(ref)
+        return refs
 
     def _promote(self, hits: list[tuple[Node, bytes | bytearray]]) -> None:
         """Copy read hits into the top tier (writer lock held); raises what stops it."""

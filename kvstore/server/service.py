@@ -39,15 +39,22 @@ class KVStoreService(ShmRpcs, AdminRpcs):
             reserve = None
             if request.reserve_ttl_s:
                 reserve = (request.holder or caller.client, self._reserve_ttl(request))
-            res = self.store.lookup(self._keys(request.keys), ttl, caller.tag, reserve)
+            # handles only where GetShm would give them; elsewhere the lookup just has none
+            shm = request.shm and self._shm_offered(context)
+            res = self.store.lookup(self._keys(request.keys), ttl, caller.tag, reserve, shm)
             if res.lease_id:
                 self.quotas.lease_taken(caller.client, res.lease_id, ttl)
+            grant = res.shm
             return pb.LookupResponse(
                 matched=res.matched,
                 tiers=res.tiers,
                 lease_id=res.lease_id or 0,
                 pending=res.pending,
                 reserved=res.reserved,
+                handles=[pb.ShmHandle(region=r, offset=o, length=n) for r, o, n in grant.handles]
+                if grant
+                else [],
+                lease_ttl_s=grant.lease_ttl_s if grant else 0.0,
             )
 
         return self._call("Lookup", context, run)

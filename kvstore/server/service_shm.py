@@ -95,6 +95,10 @@ class ShmRpcs(ServiceCalls):
 
         return self._call("CommitShm", context, run)
 
+    def _shm_offered(self, context) -> bool:
+        """Whether this caller may be handed shared-memory handles."""
+        return self.limits.shm and is_local(context.peer())
+
     def _shm_allowed(self, context, instead: str) -> None:
         if not self.limits.shm:
             raise Abort(

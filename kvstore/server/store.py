@@ -38,6 +38,7 @@ from kvstore.core.types import (
     LookupResult,
     NotFound,
     PutResult,
+    ShmGrant,
     TierFullError,
     check_key,
     check_ns,
@@ -268,8 +269,11 @@ class TieredStore(ReadPaths, SameHostPuts):
         lease_ttl_s: float | None = None,
         owner: bytes | None = None,
         reserve: tuple[str, float] | None = None,
+        shm: bool = False,
     ) -> LookupResult:
-        """Longest stored prefix of ``keys``; with a ttl, a lease keeps it from eviction.
+        """Longest stored prefix of ``keys``; with a ttl, a lease keeps it from eviction,
+        and with ``shm`` too, the leading leased chunks shared memory holds come back as
+        a ``ShmGrant`` (``sent`` 0: the caller knows when it asked), counted as hits.
 
         With ``owner`` (a tenant's namespace tag, here and below), chains in other
         tenants' namespaces read as misses. With ``reserve`` (holder, ttl), the
@@ -283,6 +287,10 @@ class TieredStore(ReadPaths, SameHostPuts):
             self.index.touch(nodes)
             names = [self.tiers[t].name for t in self.index.top_tiers(nodes)]
             lease_id = self.index.lease(nodes, lease_ttl_s) if lease_ttl_s and nodes else None
+            grant = None
+            if shm and lease_id is not None:
+                refs = tuple((r.region, r.offset, r.length) for r in self._leading_shm_refs(nodes))
+                grant = ShmGrant(lease_id, lease_ttl_s, 0.0, refs) if refs else None
             self._stats.lookups += 1
             self._stats.lookup_keys += len(keys)
             self._stats.lookup_hit_keys += len(nodes)
@@ -292,7 +300,7 @@ class TieredStore(ReadPaths, SameHostPuts):
                     reserve = (owner.hex() + "/" + reserve[0], reserve[1])
                 rest = keys[len(nodes) :]
                 pending, reserved = self._reservations.claim(rest, *reserve)
-        return LookupResult(len(nodes), names, lease_id, pending, reserved)
+        return LookupResult(len(nodes), names, lease_id, pending, reserved, grant)
 
     def lease_expired(self, lease_id: int) -> bool:
         with self._lock:

@@ -4,6 +4,8 @@
 (bytes in, bytes out; no parsing) to ``upstream``. ``kill_on_next_load(fn)`` makes
 the next ``Get`` or ``GetShm`` run ``fn`` (which kills the store) before it is
 forwarded: the connector's lookup has succeeded, its load then meets a dead store.
+While a kill is armed, Lookups go upstream without asking for shared-memory handles
+(the one message parsed here): given them, a same-host load calls no store at all.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from concurrent import futures
 
 import grpc
 
-from kvstore.rpc.pb import SERVICE
+from kvstore.rpc.pb import SERVICE, pb
 
 _OPTIONS = [
     ("grpc.max_send_message_length", 65 << 20),
@@ -84,6 +86,10 @@ class StoreProxy(grpc.GenericRpcHandler):
 
         def unary_unary(request, context):
             self._before(name)
+            if name == "Lookup" and self._on_load is not None:
+                lookup = pb.LookupRequest.FromString(request)
+                lookup.shm = False
+                request = lookup.SerializeToString()
             try:
                 return call(request, timeout=context.time_remaining())
             except grpc.RpcError as exc:

@@ -101,6 +101,13 @@ def test_vllm_metrics_count_the_connectors_lookups_hits_loads_and_saves(server):
     assert after["vllm:kvstore_saved_bytes_total"] >= loaded  # it saved what it then loaded
     assert after["vllm:kvstore_save_seconds_total"] > 0
     assert after.get("vllm:kvstore_load_failures_total", 0) == 0
+    # the store is on this host: the load read where the scheduler's lookup found the
+    # chunks in shared memory, with no GetShm of its own
+    assert (
+        after["vllm:kvstore_granted_loads_total"]
+        - before.get("vllm:kvstore_granted_loads_total", 0)
+        >= 1
+    )
     # the load was written a layer at a time (load_layerwise), and each of
     # the tiny model's two attention layers waited for its own before it ran
     steps = after["vllm:kvstore_layerwise_loads_total"]

@@ -118,8 +118,8 @@ def test_a_prefix_partly_outside_shared_memory_is_fetched_instead(store_address)
     w = worker(store_address, dst, transport="shm")
     real = w.client.shm_views
 
-    def without_the_last_handle(ks, timeout_s=None):  # as if the fourth chunk were on disk
-        got = real(ks, timeout_s)
+    def without_the_last_handle(ks, timeout_s=None, grant=None):  # the fourth chunk on disk
+        got = real(ks, timeout_s, grant)
         assert got is not None and len(got.views) == 4
         got.end()
         return None

@@ -135,7 +135,10 @@ def test_a_resumption_vllm_gives_no_external_tokens_loads_nothing(store_address)
     req = request("r", prompt)
     sched.matched_tokens(req, 0)
     sched.after_alloc(req, 2 * CHUNK)
-    sched.build_meta(step(new=[(req, [0, 1, 2, 3, 4], 2 * CHUNK)], scheduled={"r": 1}))
+    first = sched.build_meta(step(new=[(req, [0, 1, 2, 3, 4], 2 * CHUNK)], scheduled={"r": 1}))
+    loader = worker(store_address, paged_cache())
+    loader.load(first)  # on the store's host the load took over its lease, and ends it
+    loader.close()
     sched.build_meta(step(preempted=["r"]))
     assert sched.matched_tokens(req, 0) == 2 * CHUNK
     sched.after_alloc(req, 0)  # e.g. vLLM's own prefix cache covered it

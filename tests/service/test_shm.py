@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import threading
@@ -411,3 +412,79 @@ def test_the_reader_maps_the_whole_region_into_its_page_tables_at_once(make_regi
         assert resident_kib(name) * 1024 >= pad
     finally:
         reader.close()
+
+
+# ---- a leased lookup's shared-memory handles (a same-host reader needs no GetShm) ----
+
+
+def test_a_leased_lookup_on_the_stores_host_says_where_its_chunks_lie(client, served):
+    records = chain(4, seed=40)
+    client.put(records)
+    keys = keys_of(records) + [b"\x09" * 16]
+
+    res = client.lookup(keys, lease_ttl_s=5.0, shm=True)
+
+    assert res.matched == 4 and res.shm is not None and res.shm.lease_id == res.lease_id
+    assert res.shm.lease_ttl_s == 5.0 and 0 < res.shm.sent <= time.monotonic()
+    got = [read_region(pb.ShmHandle(region=r, offset=o, length=n)) for r, o, n in res.shm.handles]
+    assert got == payloads_of(records)
+    assert served.store.stats().tiers[0].hits == 4  # handed out: counted as GetShm counts
+    # no lease asked for, or no handles asked for: none given
+    assert client.lookup(keys, shm=True).shm is None
+    assert client.lookup(keys, lease_ttl_s=5.0).shm is None
+    assert client.stats().active_leases == 2
+
+
+def test_a_store_without_shm_answers_a_lookup_that_asks_for_handles_without_them(serve):
+    served = serve(limits=Limits(shm=False))
+    records = chain(2, seed=41)
+    with KVStoreClient(served.address) as client:
+        client.put(records)
+        res = client.lookup(keys_of(records), lease_ttl_s=5.0, shm=True)
+        assert (res.matched, res.shm) == (2, None) and res.lease_id
+
+
+def test_views_under_a_lookups_grant_send_no_getshm_and_end_its_lease(client, served):
+    records = chain(4, seed=42)
+    client.put(records)
+    keys = keys_of(records)
+    grant = client.lookup(keys, lease_ttl_s=5.0, shm=True).shm
+
+    def no_getshm(*args, **kwargs):
+        raise AssertionError("GetShm sent although the lookup's handles were fresh")
+
+    with KVStoreClient(served.address) as reader:  # another client, as a worker would be
+        reader._get_shm_leased = no_getshm
+        views = reader.shm_views(keys[:3], grant=grant)
+        assert [bytes(v) for v in views.views] == payloads_of(records)[:3]
+        assert views.end() == 3
+        assert reader.shm_stats.grants_used == 1
+        assert reader.stats().active_leases == 0  # the lookup's lease, ended by the reader
+
+
+def test_a_stale_or_short_grant_is_passed_over_and_its_lease_still_ended(client, served):
+    records = chain(3, seed=43)
+    client.put(records)
+    keys = keys_of(records)
+    short = client.lookup(keys[:2], lease_ttl_s=5.0, shm=True).shm
+    old = client.lookup(keys, lease_ttl_s=5.0, shm=True).shm
+    stale = dataclasses.replace(old, sent=old.sent - 5.0)  # asked 5 s ago: past its freshness
+    for grant in (short, stale):
+        views = client.shm_views(keys, grant=grant)  # read under a GetShm lease instead
+        assert [bytes(v) for v in views.views] == payloads_of(records)
+        assert views.end() == 3
+    assert client.shm_stats.grants_unused == 2 and client.shm_stats.grants_used == 0
+    assert client.stats().active_leases == 0
+
+
+def test_a_grant_whose_slot_was_reused_is_not_trusted(client, served):
+    records = chain(2, seed=44)
+    client.put(records)
+    keys = keys_of(records)
+    grant = client.lookup(keys, lease_ttl_s=5.0, shm=True).shm
+    views = client.shm_views(keys, grant=grant)
+    region, offset, _ = grant.handles[1]
+    with open(f"/dev/shm/{region}", "r+b") as f:  # as a store reusing the slot would
+        f.seek(offset - 16)
+        f.write(b"\xee" * 16)
+    assert views.end() == 1 and client.shm_stats.key_mismatch == 1
