@@ -13,7 +13,9 @@ them from a background thread), ``finished(req_ids)``, ``load_errors()`` and
 A load that fails or comes back short reports the blocks it could not fill, so
 vLLM recomputes them (a background load's in the same pass that reports it done);
 a chunk whose payload does not match the engine's geometry is treated the same
-way. The engine never attends over unchecked KV.
+way. The engine never attends over unchecked KV: a whole load's checksums are checked
+on a thread of their own while its blocks are written, and the load settles (reporting
+the blocks of a chunk that failed) before the forward runs or the load is reported done.
 
 Saving never raises into the engine and never waits for the store: each step's
 chunks go to the sender as one item, bounded by ``save_queue_depth`` steps and
@@ -32,6 +34,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +99,8 @@ class _Fetched:
     stacked: tuple[torch.Tensor, torch.Tensor] | None  # all chunks' K, V [n, L, H, T, D]
     written: bool = True  # False once writing a layer failed: no block of it is trusted
     views: ShmViews | None = None  # read in place under this lease, ended in _settle
+    # the checksums, checked while the blocks are written: how many leading chunks hold
+    checks: Future | None = None
 
 
 @dataclass
@@ -138,6 +143,7 @@ class WorkerHalf:
         self._layout = None
         self._defer_fp8 = False  # set by register
         self._staging: dict[object, torch.Tensor] = {}  # same-host loads land here, per slot
+        self._checks: ThreadPoolExecutor | None = None  # a load's checksums, while it writes
         self._layer_index: dict[str, int] = {}
         self._layerwise = False
         self._layer_jobs: queue.Queue | None = None  # (LayerLoads, specs) for the layer thread
@@ -220,9 +226,14 @@ class WorkerHalf:
             self._errors.update(self._load_checked(spec, slot))
 
     def _load_checked(self, spec: LoadSpec, slot: object) -> set[int]:
-        """Blocks of ``spec`` that could not be filled."""
+        """Blocks of ``spec`` that could not be filled.
+
+        The chunks' checksums are checked on a thread of their own while the blocks are
+        written (the request's own blocks: nothing reads them before ``_settle`` says
+        which hold checked bytes); a layer-wise load checks first, since each layer is
+        read by the forward as soon as it is written."""
         try:
-            fetched = self._fetch_decoded(spec, slot)
+            fetched = self._fetch_decoded(spec, slot, check_later=True)
             for layer in range(len(self._layers)):
                 self._write_layer(fetched, layer)
             return self._settle(fetched)
@@ -320,14 +331,15 @@ class WorkerHalf:
 
     # ---- one load's steps ------------------------------------------------------------
 
-    def _fetch_decoded(self, spec: LoadSpec, slot: object) -> _Fetched:
+    def _fetch_decoded(self, spec: LoadSpec, slot: object, check_later: bool = False) -> _Fetched:
         """Fetch and decode the stored prefix of ``spec``'s chunks; never raises (what
-        could not be fetched or decoded is missing from ``decoded``)."""
+        could not be fetched or decoded is missing from ``decoded``). ``check_later``
+        leaves the checksums to ``checks``, started here, which ``_settle`` waits for."""
         keys = [part_key(k, self.rank, self.tp) for k in spec.keys]
         t0 = time.perf_counter()
         decoded: list[tuple[torch.Tensor, torch.Tensor]] = []
         nbytes = 0
-        stacked = views = None
+        stacked = views = checks = None
         try:
             grant = spec.shm[self.rank] if self.rank < len(spec.shm) else None
             views = self._shm_views(keys, grant)
@@ -336,9 +348,13 @@ class WorkerHalf:
             payloads = views.views if views is not None else self._fetch(keys, slot)[: len(keys)]
             t1 = time.perf_counter()
             self._count("load_fetch_seconds", t1 - t0)
-            got, error = codec.decode_many(payloads, defer_fp8=self._defer_fp8)
+            got, error = codec.decode_many(
+                payloads, defer_fp8=self._defer_fp8, checksums=not check_later
+            )
             self._check_shape(got)
             decoded = got
+            if check_later and decoded:
+                checks = self._checker().submit(codec.checked_prefix, payloads[: len(decoded)])
             stacked = got.stacked or self._raw_stacked(slot, got, views)
             self._count("load_decode_seconds", time.perf_counter() - t1)
             nbytes = sum(memoryview(p).nbytes for p in payloads[: len(decoded)])
@@ -349,7 +365,12 @@ class WorkerHalf:
                 "kvstore load for %s stopped after %d chunks: %s", spec.req_id, len(decoded), exc
             )
         plan = self._scatter_plan(len(decoded), spec, stacked is not None)
-        return _Fetched(spec, decoded, nbytes, t0, plan, stacked, views=views)
+        return _Fetched(spec, decoded, nbytes, t0, plan, stacked, views=views, checks=checks)
+
+    def _checker(self) -> ThreadPoolExecutor:
+        if self._checks is None:
+            self._checks = ThreadPoolExecutor(1, thread_name_prefix="kvstore-checksums")
+        return self._checks
 
     def _shm_views(self, keys: list[bytes], grant: ShmGrant | None = None) -> ShmViews | None:
         """On the store's host, the stored prefix as views into its shared memory, leased
@@ -409,6 +430,19 @@ class WorkerHalf:
         reused meanwhile (or all, if the lease may have lapsed) are not trusted."""
         spec, bpc = f.spec, self.blocks_per_chunk
         loaded = len(f.decoded) if f.written else 0
+        if f.checks is not None:  # before the lease ends: the check reads the views too
+            try:
+                held = f.checks.result()
+            except Exception:  # unreachable by design (checked_prefix only counts)
+                held = 0
+            if held < loaded:
+                log.warning(
+                    "kvstore load for %s: chunk %d failed its checksum; it and the rest "
+                    "are recomputed",
+                    spec.req_id,
+                    held,
+                )
+            loaded = min(loaded, held)
         if f.views is not None:
             loaded = min(loaded, f.views.end())
         bad: set[int] = set()
@@ -701,5 +735,7 @@ class WorkerHalf:
         if self._sender is not None:
             self._queue.put(None)
             self._sender.join(timeout=5)
+        if self._checks is not None:
+            self._checks.shutdown(wait=True)
         if self._client is not None:
             self._client.close()

@@ -1,7 +1,8 @@
 """Encode K/V tensors in the canonical layout to chunk payloads and back (torch).
 
 Offers ``encode(k, v, codec)``, ``decode(payload, device=None)``, ``decode_many(payloads)``
-(a load's chunks, fp8 dequantised in one call) and ``compile_kernels(shape, dtype)``
+(a load's chunks, fp8 dequantised in one call; its checksums may be left to
+``checked_prefix(payloads)``, run alongside) and ``compile_kernels(shape, dtype)``
 (fast fp8 kernels, warmed once: the C loops of ``fp8_cpu`` for CPU tensors, fused with
 ``torch.compile`` for other devices; eager otherwise).
 
@@ -28,6 +29,7 @@ from kvstore.core.payload import (
     HEADER_BYTES,
     ChunkHeader,
     expected_body_len,
+    parse_header,
     parse_payload,
     seal_payload,
 )
@@ -243,10 +245,15 @@ class DecodedChunks(list):
 
 
 def decode_many(
-    payloads, device: torch.device | str | None = None, defer_fp8: bool = False
+    payloads,
+    device: torch.device | str | None = None,
+    defer_fp8: bool = False,
+    checksums: bool = True,
 ) -> tuple[DecodedChunks, PayloadError | None]:
     """``decode`` of a load's payloads, stopping at the first that is invalid or differs
     from the first in codec, dtype or shape: the (K, V) of those before it, and the error.
+    Without ``checksums`` only the headers are checked here: the caller must not trust
+    what it writes from them until ``checked_prefix`` says so.
 
     fp8 chunks are dequantised in one call for all of them (``[chunks, L, H, T, D]``):
     per chunk, dispatching the kernels cost several times the arithmetic (16 chunks of
@@ -258,10 +265,13 @@ def decode_many(
     error: PayloadError | None = None
     # the checksums run without the GIL: a load's payloads are checked on all lanes (16K
     # tokens of raw in one thread cost 5.5 ms of a 15 ms load in an engine here)
-    checked = spread(
-        [functools.partial(_parse_or_error, p) for p in payloads],
-        [memoryview(p).nbytes for p in payloads],
-    )
+    if checksums:
+        checked = spread(
+            [functools.partial(_parse_or_error, p) for p in payloads],
+            [memoryview(p).nbytes for p in payloads],
+        )
+    else:
+        checked = [_header_or_error(p) for p in payloads]
     for result in checked:
         if isinstance(result, PayloadError):
             error = result
@@ -276,11 +286,28 @@ def decode_many(
     return out, error
 
 
+def checked_prefix(payloads) -> int:
+    """How many leading ``payloads`` pass ``parse_payload`` (header and checksum), on the
+    calling thread: ``decode_many(..., checksums=False)``'s other half, run meanwhile."""
+    for i, payload in enumerate(payloads):
+        if isinstance(_parse_or_error(payload), PayloadError):
+            return i
+    return len(payloads)
+
+
 def _parse_or_error(payload) -> tuple[ChunkHeader, memoryview] | PayloadError:
     try:
         return parse_payload(payload)
     except PayloadError as exc:
         return exc
+
+
+def _header_or_error(payload) -> tuple[ChunkHeader, memoryview] | PayloadError:
+    try:
+        header = parse_header(payload)
+    except PayloadError as exc:
+        return exc
+    return header, memoryview(payload).cast("B")[HEADER_BYTES:]
 
 
 def _decode_parsed_many(parsed, device, defer_fp8: bool) -> DecodedChunks:
@@ -371,6 +398,7 @@ __all__ = [
     "DecodedChunks",
     "Fp8Batch",
     "decode_many",
+    "checked_prefix",
     "dtype_name",
     "encode",
     "quantize_fp8",

@@ -131,3 +131,27 @@ def test_a_prefix_partly_outside_shared_memory_is_fetched_instead(store_address)
     assert w._staging  # copied out first
     assert w.client.shm_stats.chunks == 8  # 4 viewed then set aside, 4 by the copy's GetShm
     w.close()
+
+
+def test_a_chunk_spoiled_in_the_stores_memory_is_recomputed_from_there_on(store_address):  # noqa: F811
+    """The checksums run beside the copy into blocks; a chunk that fails its own leaves
+    its blocks and the later ones to vLLM to recompute, and the earlier ones land."""
+    keys, src = saved(store_address, 500)
+    with KVStoreClient(store_address) as c:
+        views = c.shm_views(keys)
+        handle = views.batch.handles[2]
+        region, offset, length = handle.region, handle.offset, handle.length
+        views.end()
+    with open(os.path.join("/dev/shm", region), "r+b") as f:  # one body byte of chunk 3
+        f.seek(offset + length - 1)
+        byte = f.read(1)
+        f.seek(offset + length - 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    dst = paged_cache(seed=5)
+    w = worker(store_address, dst, transport="shm")
+    w.load(KVStoreMetadata(loads=[LoadSpec("r", keys, list(range(8, 16)), 0)]))
+    assert w.load_errors() == {12, 13, 14, 15}
+    assert same(src, dst, SRC_BLOCKS[:4], [8, 9, 10, 11])
+    assert w.counters.loaded_chunks == 2 and w.counters.load_failures == 1
+    assert w._checks is not None  # checked on the checksum thread, beside the writes
+    w.close()
