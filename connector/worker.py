@@ -143,7 +143,7 @@ class WorkerHalf:
         self._layout = None
         self._defer_fp8 = False  # set by register
         self._staging: dict[object, torch.Tensor] = {}  # same-host loads land here, per slot
-        self._checks: ThreadPoolExecutor | None = None  # a load's checksums, while it writes
+        self._check_pool: ThreadPoolExecutor | None = None  # a load's checksums, while it writes
         self._layer_index: dict[str, int] = {}
         self._layerwise = False
         self._layer_jobs: queue.Queue | None = None  # (LayerLoads, specs) for the layer thread
@@ -368,9 +368,9 @@ class WorkerHalf:
         return _Fetched(spec, decoded, nbytes, t0, plan, stacked, views=views, checks=checks)
 
     def _checker(self) -> ThreadPoolExecutor:
-        if self._checks is None:
-            self._checks = ThreadPoolExecutor(1, thread_name_prefix="kvstore-checksums")
-        return self._checks
+        if self._check_pool is None:
+            self._check_pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-checksums")
+        return self._check_pool
 
     def _shm_views(self, keys: list[bytes], grant: ShmGrant | None = None) -> ShmViews | None:
         """On the store's host, the stored prefix as views into its shared memory, leased
@@ -379,9 +379,7 @@ class WorkerHalf:
         ``grant``, the scheduler's leased lookup's handles, saves asking for them again."""
         shm_views = getattr(self.client, "shm_views", None)  # not on a ShardedClient
         if not self.config.same_host or shm_views is None:
-            if grant is not None:  # never given here; still, the lease is ours to end
-                self.client.release_later(grant.lease_id)
-            return None
+            return None  # the scheduler asks for grants only where this holds
         return shm_views(keys, timeout_s=self.config.load_timeout_s, grant=grant)
 
     def _raw_stacked(self, slot: object, decoded: list, views: ShmViews | None = None):
@@ -735,7 +733,7 @@ class WorkerHalf:
         if self._sender is not None:
             self._queue.put(None)
             self._sender.join(timeout=5)
-        if self._checks is not None:
-            self._checks.shutdown(wait=True)
+        if self._check_pool is not None:
+            self._check_pool.shutdown(wait=True)
         if self._client is not None:
             self._client.close()

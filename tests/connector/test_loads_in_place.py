@@ -153,5 +153,5 @@ def test_a_chunk_spoiled_in_the_stores_memory_is_recomputed_from_there_on(store_
     assert w.load_errors() == {12, 13, 14, 15}
     assert same(src, dst, SRC_BLOCKS[:4], [8, 9, 10, 11])
     assert w.counters.loaded_chunks == 2 and w.counters.load_failures == 1
-    assert w._checks is not None  # checked on the checksum thread, beside the writes
+    assert w._check_pool is not None  # checked on the checksum thread, beside the writes
     w.close()
