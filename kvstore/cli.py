@@ -397,6 +397,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(serve_flags="serve" in argv).parse_args(argv)
     try:
         return args.fn(args)
+    except BrokenPipeError:
+        # the reader went away (``kvstore stats --watch | head``): a normal end, not an
+        # error; stdout points at /dev/null so the exit's flush cannot fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KVStoreError as exc:
         code = getattr(getattr(exc, "code", None), "name", "")
         if code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):

@@ -107,6 +107,17 @@ def test_ctrl_c_ends_the_watch_cleanly(served):
     assert err == "", err
 
 
+def test_a_reader_that_goes_away_ends_the_watch_quietly(served):
+    # `kvstore stats --watch | head -3`: head closes the pipe after its lines
+    for args in (["--watch", "0.1"], ["--watch", "0.1", "--json"]):
+        proc = watch(served.address, *args)
+        assert proc.stdout.readline()
+        proc.stdout.close()  # the next refresh writes into a closed pipe
+        assert proc.wait(timeout=30) == 0, args
+        err = proc.stderr.read()
+        assert err == "", (args, err)
+
+
 def test_bad_watch_arguments_are_one_line_errors(served):
     for args in (["--watch", "0"], ["--watch", "soon"], ["--count", "2"]):
         proc = watch(served.address, *args)
