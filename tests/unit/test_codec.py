@@ -171,7 +171,7 @@ def test_decode_many_equals_decode_one_by_one_and_stops_at_a_bad_payload(codec_n
 def test_a_paced_checksum_is_the_same_checksum_and_paces_each_piece():
     from kvstore.core.payload import PACE_PIECE
 
-    k = torch.randn(2, 2, 1000, 64)  # ~4 MB of K and V: several pieces, the last short
+    k = torch.randn(2, 2, 2500, 64)  # ~5 MB of K and V: several pieces, the last short
     payload = bytearray(codec.encode(k, -k, "raw"))
     calls = []
     header, body = parse_payload(payload, pace=lambda: calls.append(1))
