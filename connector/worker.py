@@ -407,8 +407,11 @@ class WorkerHalf:
         body = codec.HEADER_BYTES
         k = rows[:, body : body + half].view(k0.dtype).view(count, *k0.shape)
         v = rows[:, body + half : size].view(k0.dtype).view(count, *k0.shape)
+        # chunk j of k and v starts j strides on; checked by address, since indexing
+        # k[j] for each chunk cost 1.7 ms of a 16K-token load (64 chunks) in an engine
+        k_at, v_at = k.data_ptr(), v.data_ptr()
         same = all(
-            k[j].data_ptr() == kj.data_ptr() and v[j].data_ptr() == vj.data_ptr()
+            kj.data_ptr() == k_at + j * stride and vj.data_ptr() == v_at + j * stride
             for j, (kj, vj) in enumerate(decoded)
         )
         return (k, v) if same else None
