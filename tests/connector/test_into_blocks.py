@@ -116,6 +116,20 @@ def test_raw_chunks_lying_a_payload_apart_land_as_scatter_puts_them(dtype):
         assert torch.equal(have, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [8, 12, 136])  # K turned in 8 x 8 tiles, or value by value
+def test_raw_chunks_of_any_head_dim_land_as_scatter_puts_them(dtype, dim):
+    layout = CpuLayout(N, dim)
+    g = torch.Generator().manual_seed(dim)
+    k, v = (torch.randn(3, H, T, dim, generator=g).to(dtype) for _ in range(2))
+    want = torch.randn(BLOCKS, H, N, 2 * dim, generator=g).to(dtype)
+    have = want.clone()
+    blocks = [7, 2, 11, 0, 9, 4]
+    assert layout.write_raw(have, blocks, k, v)
+    layout.scatter_many(want, blocks, [(k, v)])
+    assert torch.equal(have, want)
+
+
 def test_raw_parts_that_cannot_be_copied_so_are_left_to_scatter_many():
     layout = CpuLayout(N, D)
     k = torch.randn(2, H, T, D)
