@@ -563,7 +563,7 @@ typedef uint32_t kv_u32x8 __attribute__((vector_size(32)));
 typedef uint16_t kv_u16x8 __attribute__((vector_size(16)));
 #define KV_LO3 0, 1, 2, 3, 8, 9, 10, 11 /* both sizes: join the low halves */
 #define KV_HI3 4, 5, 6, 7, 12, 13, 14, 15
-#define KV_TURN(VT, TYPE, LO1, HI1, LO2, HI2, LO3, HI3)                                  \
+#define KV_TURN(VT, TYPE, LO1, HI1, LO2, HI2, ROW_LO, ROW_HI)                             \
     static inline void turn8_##TYPE(const TYPE *src, int64_t ss, TYPE *dst, int64_t ds) { \
         VT r[8], t[8], u[8];                                                              \
         for (int i = 0; i < 8; i++) memcpy(&r[i], src + i * ss, sizeof(VT));              \
@@ -577,45 +577,30 @@ typedef uint16_t kv_u16x8 __attribute__((vector_size(16)));
                 u[i + 2 * k + 1] = __builtin_shufflevector(t[i + k], t[i + k + 2], HI2);  \
             }                                                                             \
         for (int k = 0; k < 4; k++) {                                                     \
-            VT lo = __builtin_shufflevector(u[k], u[k + 4], LO3);                         \
-            VT hi = __builtin_shufflevector(u[k], u[k + 4], HI3);                         \
-            memcpy(dst + KV_ROW_LO(k) * ds, &lo, sizeof(VT));                             \
-            memcpy(dst + KV_ROW_HI(k) * ds, &hi, sizeof(VT));                             \
+            VT lo = __builtin_shufflevector(u[k], u[k + 4], KV_LO3);                      \
+            VT hi = __builtin_shufflevector(u[k], u[k + 4], KV_HI3);                      \
+            memcpy(dst + ROW_LO(k) * ds, &lo, sizeof(VT));                                \
+            memcpy(dst + ROW_HI(k) * ds, &hi, sizeof(VT));                                \
         }                                                                                 \
     }
 /* 4-byte values, 256-bit rows: pairs interleave within 128-bit halves, so after the
  * second round u[k] holds columns k (low half) and k + 4 (high half) of rows 0-3 (u[k])
- * and 4-7 (u[k + 4]); the third round joins the halves. */
-#define KV_ROW_LO(k) (k)
-#define KV_ROW_HI(k) ((k) + 4)
-#define KV_LO1 0, 8, 1, 9, 4, 12, 5, 13
-#define KV_HI1 2, 10, 3, 11, 6, 14, 7, 15
-#define KV_LO2 0, 1, 8, 9, 4, 5, 12, 13
-#define KV_HI2 2, 3, 10, 11, 6, 7, 14, 15
-KV_TURN(kv_u32x8, uint32_t, KV_LO1, KV_HI1, KV_LO2, KV_HI2, KV_LO3, KV_HI3)
-#undef KV_ROW_LO
-#undef KV_ROW_HI
-#undef KV_LO1
-#undef KV_HI1
-#undef KV_LO2
-#undef KV_HI2
-/* 2-byte values, 128-bit rows: after the second round u[k] holds columns 2k and 2k + 1
- * of rows 0-3 (and u[k + 4] of rows 4-7). */
-#define KV_ROW_LO(k) (2 * (k))
-#define KV_ROW_HI(k) (2 * (k) + 1)
-#define KV_LO1 0, 8, 1, 9, 2, 10, 3, 11
-#define KV_HI1 4, 12, 5, 13, 6, 14, 7, 15
-#define KV_LO2 0, 1, 8, 9, 2, 3, 10, 11
-#define KV_HI2 4, 5, 12, 13, 6, 7, 14, 15
-KV_TURN(kv_u16x8, uint16_t, KV_LO1, KV_HI1, KV_LO2, KV_HI2, KV_LO3, KV_HI3)
-#undef KV_ROW_LO
-#undef KV_ROW_HI
-#undef KV_LO1
-#undef KV_HI1
-#undef KV_LO2
-#undef KV_HI2
-#undef KV_LO3
-#undef KV_HI3
+ * and 4-7 (u[k + 4]); the third round joins the halves. 2-byte values, 128-bit rows:
+ * after the second round u[k] holds columns 2k and 2k + 1 of rows 0-3 (u[k + 4]: 4-7). */
+#define KV32_ROW_LO(k) (k)
+#define KV32_ROW_HI(k) ((k) + 4)
+#define KV32_LO1 0, 8, 1, 9, 4, 12, 5, 13
+#define KV32_HI1 2, 10, 3, 11, 6, 14, 7, 15
+#define KV32_LO2 0, 1, 8, 9, 4, 5, 12, 13
+#define KV32_HI2 2, 3, 10, 11, 6, 7, 14, 15
+#define KV16_ROW_LO(k) (2 * (k))
+#define KV16_ROW_HI(k) (2 * (k) + 1)
+#define KV16_LO1 0, 8, 1, 9, 2, 10, 3, 11
+#define KV16_HI1 4, 12, 5, 13, 6, 14, 7, 15
+#define KV16_LO2 0, 1, 8, 9, 2, 3, 10, 11
+#define KV16_HI2 4, 5, 12, 13, 6, 7, 14, 15
+KV_TURN(kv_u32x8, uint32_t, KV32_LO1, KV32_HI1, KV32_LO2, KV32_HI2, KV32_ROW_LO, KV32_ROW_HI)
+KV_TURN(kv_u16x8, uint16_t, KV16_LO1, KV16_HI1, KV16_LO2, KV16_HI2, KV16_ROW_LO, KV16_ROW_HI)
 #endif
 
 /* The same placement for raw chunks (no codec): chunk j's layer K and V, [H, T, D] values of
