@@ -1,9 +1,11 @@
 """Shared test set-up: skip ``gpu`` tests where CUDA is absent; ``open_store``; the
-session fails if it leaves a store's shared-memory region behind."""
+session fails if it leaves a store's shared-memory region behind, and removes the
+semaphores of vLLM servers its tests killed."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import pytest
@@ -12,7 +14,7 @@ from kvstore.server.store import TieredStore
 from kvstore.server.tiers.dram import DramTier
 from kvstore.server.tiers.nvme import NvmeTier
 from tests.chunks import CHUNK_COST
-from tests.shm_regions import left_behind
+from tests.shm_regions import SHM_DIR, left_behind, orphan_semaphores
 
 SLOT = CHUNK_COST  # room for one tests.chunks payload (32 KiB + header) in a memory tier
 MiB = 1 << 20
@@ -43,6 +45,11 @@ def no_shm_region_left_behind():
     start = time.time()
     yield
     leaked = left_behind(start)
+    # a test that SIGKILLs a vLLM server's process group (a crash, on purpose) kills its
+    # multiprocessing resource tracker too, which would have unlinked its semaphores
+    for name in orphan_semaphores(start):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, name))
     assert not leaked, f"the test session left shared-memory regions in /dev/shm: {leaked}"
 
 

@@ -1,7 +1,10 @@
 """Shared-memory regions in ``/dev/shm`` as tests see them: ``regions()`` names the
 stores' regions, ``held(name)`` says whether a live process holds one (each store
 flocks its own), ``owned_here()`` those this process has open, ``mapped_here()`` every
-/dev/shm file this process maps, and ``left_behind(since)`` those nothing will remove."""
+/dev/shm file this process maps, and ``left_behind(since)`` those nothing will remove.
+``orphan_semaphores(since)`` names the multiprocessing semaphores no live process maps:
+what a vLLM server's process group killed with SIGKILL leaves (its resource tracker dies
+with it)."""
 
 from __future__ import annotations
 
@@ -77,3 +80,33 @@ def left_behind(since: float) -> list[str]:
             if name in here or not held(name):
                 out.append(name)
     return out
+
+
+def _inodes_mapped_anywhere() -> set[int]:
+    """Inodes of /dev/shm files some live process maps. By inode, not name: glibc makes a
+    named semaphore as a temporary file, maps it, then links it under its name and
+    unlinks the temporary one, so the mapping carries the other name."""
+    out: set[int] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:  # gone meanwhile
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 6 and fields[5].startswith(SHM_DIR + "/"):
+                    out.add(int(fields[4]))
+    return out
+
+
+def orphan_semaphores(since: float) -> list[str]:
+    """``sem.mp-*`` made at or after ``since`` that no live process maps: nothing can
+    open one by name again (its creator and every user are gone), and nothing will
+    remove it."""
+    made = {}
+    for path in glob.glob(os.path.join(SHM_DIR, "sem.mp-*")):
+        with contextlib.suppress(FileNotFoundError):
+            st = os.stat(path)
+            if st.st_ctime >= since:
+                made[os.path.basename(path)] = st.st_ino
+    if not made:
+        return []
+    mapped = _inodes_mapped_anywhere()
+    return sorted(name for name, inode in made.items() if inode not in mapped)
