@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -388,6 +389,21 @@ def build_parser(serve_flags: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
+def _reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader went away (poll reports an error on the
+    write end); if so stdout is pointed at /dev/null, so that the exit's own flush
+    cannot fail again."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        gone = any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no poll, or no real stdout
+        return False
+    if gone:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return gone
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -397,11 +413,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(serve_flags="serve" in argv).parse_args(argv)
     try:
         return args.fn(args)
-    except BrokenPipeError:
-        # the reader went away (``kvstore stats --watch | head``): a normal end, not an
-        # error; stdout points at /dev/null so the exit's flush cannot fail again
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+    except BrokenPipeError as exc:
+        if not _reader_gone():
+            print(f"kvstore {args.command}: {exc}", file=sys.stderr)
+            return 2
+        return 0  # ``kvstore stats --watch | head``: the reader had what it wanted
     except KVStoreError as exc:
         code = getattr(getattr(exc, "code", None), "name", "")
         if code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
