@@ -400,7 +400,9 @@ def _reader_gone() -> bool:
     except (OSError, ValueError, AttributeError):  # no poll, or no real stdout
         return False
     if gone:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
     return gone
 
 
@@ -413,17 +415,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(serve_flags="serve" in argv).parse_args(argv)
     try:
         return args.fn(args)
-    except BrokenPipeError as exc:
-        if not _reader_gone():
-            print(f"kvstore {args.command}: {exc}", file=sys.stderr)
-            return 2
-        return 0  # ``kvstore stats --watch | head``: the reader had what it wanted
     except KVStoreError as exc:
         code = getattr(getattr(exc, "code", None), "name", "")
         if code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
             exc = f"cannot reach the store at {args.address} ({code}); is it running?"
         print(f"kvstore {args.command}: {exc}", file=sys.stderr)
     except OSError as exc:
+        if isinstance(exc, BrokenPipeError) and _reader_gone():
+            return 0  # ``kvstore stats --watch | head``: the reader had what it wanted
         print(f"kvstore {args.command}: {exc}", file=sys.stderr)
     except KeyboardInterrupt:
         print(f"kvstore {args.command}: interrupted", file=sys.stderr)
