@@ -7,28 +7,22 @@ torch kernels, where no compiler is found or the build fails; the reason is logg
 The same library places a load's chunks straight into a paged CPU cache's blocks
 (``decode_blocks_calls`` for fp8, ``copy_blocks_calls`` for raw; see ``fp8_blocks``).
 
-The shared object is cached under ``$KVSTORE_CACHE_DIR`` (default ``~/.cache/kvstore``,
-or a folder in the temp dir where that cannot be written), named by a hash of the source,
-the flags and the compiler, so a changed source or compiler never loads a stale build.
+The shared object is built and cached by ``native.build`` (once per host, source and
+compiler; ``$KVSTORE_CACHE_DIR``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from kvstore.core import native
 from kvstore.core.lanes import LANES, spread
 
 log = logging.getLogger(__name__)
@@ -38,64 +32,20 @@ SOURCE = Path(__file__).with_name("fp8_cpu.c")
 # conversions' selects scalar (decode 1.5 GB/s against 8 here); results are unchanged
 FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-fno-trapping-math"]
 SPLIT_BYTES = 2 << 20  # values this large are split between lanes
-NATIVE = ["-march=native"]  # dropped where the compiler refuses it
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def cache_dirs() -> list[Path]:
-    env = os.environ.get("KVSTORE_CACHE_DIR")
-    first = Path(env) if env else Path.home() / ".cache" / "kvstore"
-    return [first, Path(tempfile.gettempdir()) / f"kvstore-cache-{os.getuid()}"]
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _build(cc: str, flags: list[str], target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run(
-            [cc, *flags, str(SOURCE), "-o", tmp], check=True, capture_output=True, timeout=120
-        )
-        os.replace(tmp, target)  # concurrent builders: the last one wins, whole
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _open() -> ctypes.CDLL:
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
-    src = SOURCE.read_bytes()
-    errors = []
-    for flags, folder in [(f, d) for f in (FLAGS + NATIVE, FLAGS) for d in cache_dirs()]:
-        tag = hashlib.sha256(src + " ".join([cc, *flags, platform.machine()]).encode())
-        target = folder / f"fp8_cpu-{tag.hexdigest()[:16]}.so"
-        try:
-            if not target.exists():
-                _build(cc, flags, target)
-            lib = ctypes.CDLL(str(target))
-        except (OSError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", b"") or b""
-            errors.append(f"{' '.join(flags)}: {exc} {detail.decode(errors='replace')[-300:]}")
-            continue
-        i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-        lib.kv_fp8_encode.argtypes = [ptr, i32, ptr, ptr, i64, i64, i64, i32]
-        lib.kv_fp8_decode.argtypes = [ptr, ptr, ptr, i32, i64, i64, i64, i32]
-        lib.kv_fp8_decode_blocks.argtypes = [ptr, ptr, ptr, i32, ptr]
-        lib.kv_copy_blocks.argtypes = [ptr, ptr, ptr, i64, ptr]
-        return lib
-    raise RuntimeError("; ".join(errors))
+    lib = native.build(SOURCE, FLAGS)
+    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    lib.kv_fp8_encode.argtypes = [ptr, i32, ptr, ptr, i64, i64, i64, i32]
+    lib.kv_fp8_decode.argtypes = [ptr, ptr, ptr, i32, i64, i64, i64, i32]
+    lib.kv_fp8_decode_blocks.argtypes = [ptr, ptr, ptr, i32, ptr]
+    lib.kv_copy_blocks.argtypes = [ptr, ptr, ptr, i64, ptr]
+    return lib
 
 
 def load() -> ctypes.CDLL | None:
