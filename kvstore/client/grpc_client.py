@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.client.shm_reader import ShmReader, ShmReadStats, copier
+from kvstore.client.shm_reader import ShmReader, ShmReadStats, copiers
 from kvstore.core import wire
 from kvstore.core.types import ChunkRecord, KVStoreError, LookupResult, PutResult, ShmGrant
 from kvstore.rpc.pb import SERVICE, pb
@@ -505,12 +505,12 @@ class KVStoreClient:
 
         Returns how many chunks were copied. Uses shared memory for DRAM chunks.
         """
-        copiers = [copier(d) for d in dests]
+        into = copiers(dests)
 
         def copy(i: int, src: memoryview) -> None:
-            copiers[i](src)
+            into[i](src)
 
-        return self._shm_copy(keys[: len(copiers)], copy, timeout_s)
+        return self._shm_copy(keys[: len(into)], copy, timeout_s)
 
     def put(
         self, records: Sequence[ChunkRecord], timeout_s: float | None = None, *, shm: bool = False

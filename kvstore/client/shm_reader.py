@@ -3,8 +3,8 @@ checked before they are trusted.
 
 Offers ``ShmReader`` (``copy_out(keys, handles, copy)`` returns the indices whose
 copy cannot be trusted; ``close()``), ``ShmReadStats``, its counts of why a
-chunk was not taken from shared memory, and ``copier(dest)``, which copies into a
-caller's buffer or CPU tensor.
+chunk was not taken from shared memory, and ``copiers(dests)``, which copy into a
+caller's buffers or CPU tensors.
 
 A handle names a region under ``/dev/shm``, an offset and a length; the store
 writes each chunk's 16-byte key just before its payload. A copy is kept only if,
@@ -23,6 +23,7 @@ store's memory (the mapping is private) and never hands back a copy it has not c
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import mmap
 import os
@@ -33,6 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.client.prefault import populate_in_background
+from kvstore.core import bulk_copy
+from kvstore.core.lanes import spread
 from kvstore.core.payload import parse_header
 from kvstore.core.types import KEY_BYTES, PayloadError
 from kvstore.rpc.pb import pb
@@ -69,28 +72,44 @@ class ShmReadStats:
         return good
 
 
-def copier(dest) -> Callable[[memoryview], None]:
-    """``copy(src)`` into ``dest``: a writable buffer or a contiguous CPU torch tensor.
+def copiers(dests: Sequence) -> list[Callable[[memoryview], None]]:
+    """``copy(src)`` into each of ``dests``: writable buffers or contiguous CPU torch
+    tensors.
 
-    Tensors are filled with torch's own copy, which splits large copies across
-    threads; other buffers, and read-only sources (bytes received over TCP, which
-    torch will not wrap without a warning), with numpy. Neither makes a temporary.
+    A large batch is copied with streaming stores (``bulk_copy``). Otherwise tensors are
+    filled with torch's own copy, which splits large copies across threads; other
+    buffers, and read-only sources (bytes received over TCP, which torch will not wrap
+    without a warning), with numpy. None makes a temporary.
     """
+    flats = [_flat(d) for d in dests]
+    stream = bulk_copy.streamer(sum(f.nbytes for f, _ in flats))
+    return [_copier(flat, tensor, stream) for flat, tensor in flats]
+
+
+def _flat(dest) -> tuple[np.ndarray, object]:
+    """``dest``'s bytes as a numpy array, and its flat uint8 tensor if it is a tensor."""
     if hasattr(dest, "untyped_storage"):  # a torch tensor has no buffer protocol
         import torch
 
         # view, not reshape: a non-contiguous tensor must fail, not be copied into a temporary
         flat = dest.view(-1).view(torch.uint8)
-        flat_t = flat.numpy()
+        return flat.numpy(), flat
+    return np.frombuffer(dest, dtype=np.uint8), None
+
+
+def _copier(flat_np: np.ndarray, tensor, stream) -> Callable[[memoryview], None]:
+    if stream is not None:
+        return lambda src: stream(flat_np[: src.nbytes], np.frombuffer(src, dtype=np.uint8))
+    if tensor is not None:
+        import torch
 
         def copy(src: memoryview) -> None:
             if src.readonly:
-                np.copyto(flat_t[: src.nbytes], np.frombuffer(src, dtype=np.uint8))
+                np.copyto(flat_np[: src.nbytes], np.frombuffer(src, dtype=np.uint8))
             else:
-                flat[: src.nbytes].copy_(torch.frombuffer(src, dtype=torch.uint8))
+                tensor[: src.nbytes].copy_(torch.frombuffer(src, dtype=torch.uint8))
 
         return copy
-    flat_np = np.frombuffer(dest, dtype=np.uint8)
     return lambda src: np.copyto(flat_np[: src.nbytes], np.frombuffer(src, dtype=np.uint8))
 
 
@@ -121,7 +140,10 @@ class ShmReader:
         handles: Sequence[pb.ShmHandle],
         copy: Callable[[int, memoryview], None],
     ) -> set[int]:
-        """``copy(i, view)`` each handle's bytes; the indices whose copy must not be kept."""
+        """``copy(i, view)`` each handle's bytes; the indices whose copy must not be kept.
+
+        The copies of a large batch run on several threads (``lanes.spread``), so
+        ``copy`` must be safe to call from any thread for distinct ``i``."""
         if not handles:
             return set()
         try:
@@ -135,14 +157,17 @@ class ShmReader:
             self.stats.region_unavailable += len(handles)
             return set(range(len(handles)))
         bad = set()
+        views: list[tuple[int, memoryview]] = []
         for i, handle in enumerate(handles):
             end = handle.offset + handle.length
             if handle.offset < KEY_BYTES or end > len(region):
                 self.stats.bad_length += 1
                 bad.add(i)
                 continue
-            view = region[handle.offset : end]
-            copy(i, view)
+            views.append((i, region[handle.offset : end]))
+        spread([functools.partial(copy, i, v) for i, v in views], [v.nbytes for _, v in views])
+        for i, view in views:
+            handle = handles[i]
             # checked after the copy: a slot reused before or during it shows another key
             if bytes(region[handle.offset - KEY_BYTES : handle.offset]) != keys[i]:
                 self.stats.key_mismatch += 1

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 
+from kvstore.core import bulk_copy
 from kvstore.core.lanes import spread
 from kvstore.core.types import KEY_BYTES, ChunkRecord, KVStoreError, PutResult
 from kvstore.rpc.pb import pb
@@ -49,7 +50,8 @@ class _Region:
         not fit the payload or holds another key (nothing is written there), or whose copy
         was not finished before ``until`` (``time.monotonic``): after that the room may
         be another chunk's, so no piece is started. The copies go in pieces of at most
-        ``PIECE`` bytes, spread over the host's cores."""
+        ``PIECE`` bytes, spread over the host's cores, streamed where the batch is large
+        (``bulk_copy``)."""
         ok: list[bool] = []
         pieces: list[tuple[int, np.ndarray, np.ndarray]] = []
         for handle, key, payload in rooms:
@@ -63,8 +65,9 @@ class _Region:
                     (len(ok) - 1, dest[i : i + PIECE], src[i : i + PIECE])
                     for i in range(0, src.nbytes, PIECE)
                 ]
+        copy = bulk_copy.copier(sum(s.nbytes for _, _, s in pieces))
         done = spread(
-            [functools.partial(_copy_before, d, s, until) for _, d, s in pieces],
+            [functools.partial(_copy_before, copy, d, s, until) for _, d, s in pieces],
             [s.nbytes for _, _, s in pieces],
         )
         for (room, _, _), copied in zip(pieces, done, strict=True):
@@ -77,10 +80,10 @@ class _Region:
             self.map.close()
 
 
-def _copy_before(dest: np.ndarray, src: np.ndarray, until: float) -> bool:
+def _copy_before(copy: bulk_copy.Copy, dest: np.ndarray, src: np.ndarray, until: float) -> bool:
     if time.monotonic() >= until:
         return False
-    np.copyto(dest, src)
+    copy(dest, src)
     return True
 
 
