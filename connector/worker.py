@@ -45,7 +45,7 @@ from connector.plan import KVStoreMetadata, LoadSpec, SaveSpec
 from connector.planner import MIN_STEP_TOKENS
 from kvstore.client.grpc_client import ShmViews
 from kvstore.client.shards import ShardedClient, connect
-from kvstore.core import codec
+from kvstore.core import bulk_copy, codec
 from kvstore.core.fp8_blocks import Fp8Batch
 from kvstore.core.keys import Namespace, part_key
 from kvstore.core.payload import expected_body_len
@@ -194,6 +194,8 @@ class WorkerHalf:
             shape = (self.ns.num_layers, self._heads(), self.config.chunk_tokens, self.ns.head_dim)
             cache = self._layers[0]
             codec.compile_kernels(shape, cache.dtype, cache.device)  # eager if this fails
+        if self.config.same_host:
+            bulk_copy.load()  # the same-host saves' copy, built now (~0.5 s once per host)
 
     # ---- timing forwards for the load planner ----------------------------------------
 
