@@ -57,7 +57,8 @@ class DramTier(ExtentTierOps):
         self._arr: np.ndarray | None = np.frombuffer(self._region.mmap, dtype=np.uint8)
         # Touch every page now so the first writes run at copy speed, not fault speed.
         self._arr.fill(0)
-        bulk_copy.load()  # built now (once per host, ~0.5 s), not during the first put
+        # a put's copy into the region: built now (once per host, ~0.5 s), not in a put
+        self._put_copy = bulk_copy.copier(0, read_soon=False)
 
     def stage(self, key: ChunkKey, nbytes: int) -> tuple[int, int] | None:
         """Room for a same-host writer to fill: ``(payload offset, length)`` in the region,
@@ -127,11 +128,10 @@ class DramTier(ExtentTierOps):
         for alloc, _ in allocs:
             self._table.commit(alloc)
 
-    @staticmethod
-    def _copy_in(arr: np.ndarray, alloc: Allocation, src: np.ndarray) -> None:
+    def _copy_in(self, arr: np.ndarray, alloc: Allocation, src: np.ndarray) -> None:
         key_at = alloc.pieces[0][0]
         arr[key_at : key_at + KEY_BYTES] = np.frombuffer(alloc.key, dtype=np.uint8)
-        copy = bulk_copy.copier(src.nbytes, read_soon=False)
+        copy = self._put_copy
         done = 0
         for off, n in alloc.payload_spans():
             for at in range(0, n, COPY_PIECE):  # in pieces: see pacing
