@@ -23,7 +23,10 @@ through shared memory; ``--transport tcp`` measures what a store on another node
 Every request is prefix + 16 fresh tokens; each measured prefix is new to the node
 it is measured on (except in (b), on purpose), and the tokens the server reports
 cached are checked: 0 for (a), the whole prefix for (b)-(d). TTFT is measured by
-a streaming client from the request to the first streamed token.
+a streaming client from the request to the first streamed token. Each round measures
+(c) and (d) back to back, in alternating order; ``store_over_local`` in the JSON holds
+issue 13's ratios: each codec's median over (b)'s, and ``fp8`` over ``raw`` three ways
+(medians, the median of the rounds' own ratios, and the engine's part alone).
 
 The model is a tiny Llama with random weights, built here, with Llama-3-8B's
 compute-to-KV ratio: see ``SHAPE`` and ``shape_report``. On a GPU host (vllm==0.33)
@@ -300,8 +303,10 @@ class Bench(ModelBench):
             samples[config][length].append(seconds * 1e3)
             progress.step(f"{config} {length}")
 
-        for _ in range(self.args.requests):
-            for codec in ("raw", "fp8"):
+        for i in range(self.args.requests):
+            # each codec goes first in every other round, so that neither always follows
+            # the other's work (node A's saves, the recompute server's long prefill)
+            for codec in ("raw", "fp8") if i % 2 == 0 else ("fp8", "raw"):
                 prefix = self.tokens(length)
                 self.prefill_on_a(codec, prefix + self.tokens(SUFFIX))
                 progress.step(f"node A {codec} {length}")
@@ -384,6 +389,34 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def store_over_local(samples: dict, split: dict) -> dict:
+    """Issue 13's ratios, per prefix length: a store hit's median TTFT over vLLM's own warm
+    prefix cache, per codec; ``fp8`` over ``raw`` from the medians, and as the median of
+    the rounds' own ratios (both codecs measured back to back in each round); and ``fp8``
+    over ``raw`` for the engine's part alone (``prefill``: schedule to first token, which
+    holds the lookup, the load and the forward), without the HTTP front end."""
+    out: dict = {}
+    for n, local in samples["vllm_prefix_cache"].items():
+        raw, fp8 = samples["kvstore_raw"][n], samples["kvstore_fp8"][n]
+        if not (local and raw and fp8):
+            continue
+        med = statistics.median
+        row = {
+            "raw_over_local": round(med(raw) / med(local), 3),
+            "fp8_over_local": round(med(fp8) / med(local), 3),
+            "fp8_over_raw": round(med(fp8) / med(raw), 3),
+            "fp8_over_raw_paired": round(med(f / r for f, r in zip(fp8, raw, strict=False)), 3),
+        }
+        engine = [
+            med(x[1] for x in split.get(f"kvstore_{c}", {}).get(n, [(0, 0, 0)]))
+            for c in ("raw", "fp8")
+        ]
+        if engine[0] > 0:
+            row["fp8_over_raw_engine"] = round(engine[1] / engine[0], 3)
+        out[str(n)] = row
+    return out
 
 
 def main() -> None:
@@ -517,6 +550,7 @@ def main() -> None:
         "samples_ms": {
             c: {str(n): [round(x, 1) for x in v] for n, v in s.items()} for c, s in samples.items()
         },
+        "store_over_local": store_over_local(samples, bench.split),
         "goal": {
             "kvstore_raw_over_recompute": {n: round(r, 3) for n, r in ratio.items()},
             "target": "<= 0.2 at 4096 tokens and longer",

@@ -7,7 +7,7 @@ import torch
 
 from benchmarks.accuracy import fp8_per_tensor
 from benchmarks.recall_task import Task, dense_batch, haystack_batch
-from benchmarks.ttft import LLAMA3_8B, SHAPE, percentile, shape_report
+from benchmarks.ttft import LLAMA3_8B, SHAPE, percentile, shape_report, store_over_local
 
 TASK = Task()
 
@@ -68,3 +68,22 @@ def test_p90_is_the_nearest_rank_sample():
     assert percentile([5.0, 1.0, 3.0], 0.9) == 5.0  # few samples: the largest
     assert percentile([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 0.9) == 6.0
     assert percentile([7.0], 0.9) == 7.0
+
+
+def test_store_over_local_pairs_each_round_and_splits_out_the_engine():
+    # the paired ratio is the median of each round's fp8 / raw, not a ratio of medians
+    samples = {
+        "vllm_prefix_cache": {4096: [20.0, 20.0, 20.0], 16384: []},
+        "kvstore_raw": {4096: [30.0, 40.0, 60.0], 16384: [50.0]},
+        "kvstore_fp8": {4096: [29.0, 58.0, 38.0], 16384: [49.0]},
+    }
+    split = {
+        "kvstore_raw": {4096: [(0.0, 25.0, 9.0), (0.0, 26.0, 9.0), (0.0, 27.0, 9.0)]},
+        "kvstore_fp8": {4096: [(0.0, 24.0, 12.0), (0.0, 23.0, 12.0), (0.0, 22.0, 12.0)]},
+    }
+    row = store_over_local(samples, split)["4096"]
+    assert row["raw_over_local"] == 2.0 and row["fp8_over_local"] == 1.9
+    assert row["fp8_over_raw"] == 0.95  # 38 / 40
+    assert row["fp8_over_raw_paired"] == round(29 / 30, 3)  # of 29/30, 58/40, 38/60
+    assert row["fp8_over_raw_engine"] == round(23 / 26, 3)
+    assert "16384" not in store_over_local(samples, split)  # no local sample: no ratio
