@@ -397,24 +397,22 @@ def store_over_local(samples: dict, split: dict) -> dict:
     the rounds' own ratios (both codecs measured back to back in each round); and ``fp8``
     over ``raw`` for the engine's part alone (``prefill``: schedule to first token, which
     holds the lookup, the load and the forward), without the HTTP front end."""
+    med = statistics.median
     out: dict = {}
     for n, local in samples["vllm_prefix_cache"].items():
         raw, fp8 = samples["kvstore_raw"][n], samples["kvstore_fp8"][n]
         if not (local and raw and fp8):
             continue
-        med = statistics.median
         row = {
             "raw_over_local": round(med(raw) / med(local), 3),
             "fp8_over_local": round(med(fp8) / med(local), 3),
             "fp8_over_raw": round(med(fp8) / med(raw), 3),
             "fp8_over_raw_paired": round(med(f / r for f, r in zip(fp8, raw, strict=False)), 3),
         }
-        engine = [
-            med(x[1] for x in split.get(f"kvstore_{c}", {}).get(n, [(0, 0, 0)]))
-            for c in ("raw", "fp8")
-        ]
-        if engine[0] > 0:
-            row["fp8_over_raw_engine"] = round(engine[1] / engine[0], 3)
+        engine = [split.get(f"kvstore_{c}", {}).get(n) for c in ("raw", "fp8")]
+        if all(engine):  # vLLM's histograms were read for both
+            raw_ms, fp8_ms = (med(prefill for _, prefill, _ in e) for e in engine)
+            row["fp8_over_raw_engine"] = round(fp8_ms / raw_ms, 3)
         out[str(n)] = row
     return out
 
