@@ -20,14 +20,19 @@ chunk in 1 MiB parts (its defaults: ``put_part_bytes`` 1 MiB for chunks over
 can be held up. The same chunks are then put in 4 MiB parts (the client's default
 before), whole, one 32 MiB message each (``put_part_bytes=0``, as clients did before
 parts), and as 1 MiB chunks (64 per put, sent in 4 MiB messages). Last, the Llama chunks
-are put over shared memory (same host), where no payload crosses gRPC at all.
+are put over shared memory (same host), where no payload crosses gRPC at all. Last,
+the bound: the same 1 MiB-part stream goes to a second store of the same kind in a
+process of its own (``_elsewhere`` keys), so the timed lookups share the host's two
+cores with all of a put's work but not their store's process (its GIL).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import shutil
 import statistics
+import tempfile
 import time
 
 import numpy as np
@@ -219,6 +224,38 @@ def _put_figures(busy: tuple[list[float], int], report: dict, tag: str) -> dict:
     }
 
 
+def _other_store(conn, put_bytes_: int) -> None:
+    """Child process: a store like the lookup store, for the put stream of the bound."""
+    from kvstore.server.grpc_server import StoreServer
+
+    tmp = tempfile.mkdtemp(prefix="bench-lookup-other-")
+    try:
+        server = StoreServer(tiered_store(tmp, put_bytes_), "127.0.0.1:0", grace_s=1.0)
+        conn.send(server.start())
+        conn.recv()
+        server.stop()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _puts_elsewhere(client, chains, puts: int, max_seconds: float):
+    """Lookups of ``client``'s store while the 1 MiB-part stream goes to another store."""
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    other = ctx.Process(target=_other_store, args=(child_conn, put_bytes(puts)), daemon=True)
+    other.start()
+    try:
+        if not conn.poll(60):
+            raise RuntimeError("the second store did not start")
+        target = f"127.0.0.1:{conn.recv()}"
+        return _under_puts(client, chains, target, "llama8b_bf16", puts, max_seconds, 0)
+    finally:
+        conn.send("stop")
+        other.join(30)
+        if other.is_alive():
+            other.kill()
+
+
 def lookup_latency(target: str, idle_calls: int, puts: int, max_seconds: float) -> dict:
     """Lookup p50/p99 idle, then under four streams of 64 MiB puts.
 
@@ -227,7 +264,9 @@ def lookup_latency(target: str, idle_calls: int, puts: int, max_seconds: float) 
     ``_whole_chunks``: the same, one 32 MiB gRPC message per chunk;
     ``_1mib_chunks``: the same bytes as 1 MiB chunks (4 MiB messages);
     ``_shm``: Llama chunks again, copied by the client into the store's shared memory
-    (``put(shm=True)``), so no payload crosses gRPC.
+    (``put(shm=True)``), so no payload crosses gRPC;
+    ``_elsewhere``: the first stream again, into a second store in another process (the
+    bound: the same load on the host's cores, none on the lookup store's process).
     """
     with KVStoreClient(target) as client:
         chains = _store_chains(client)
@@ -245,6 +284,7 @@ def lookup_latency(target: str, idle_calls: int, puts: int, max_seconds: float) 
         _, shm, shm_report = _under_puts(
             client, chains, target, "llama8b_bf16_shm", puts, max_seconds, 0
         )
+        _, elsewhere, elsewhere_report = _puts_elsewhere(client, chains, puts, max_seconds)
     p = _pct(idle[0])
     return {
         "lookup_p50_idle_ms": round(p["p50"], 3),
@@ -256,5 +296,8 @@ def lookup_latency(target: str, idle_calls: int, puts: int, max_seconds: float) 
         **_put_figures(whole, whole_report, "_whole_chunks"),
         **_put_figures(small, small_report, "_1mib_chunks"),
         **_put_figures(shm, shm_report, "_shm"),
-        "lookup_wrong_matches": idle[1] + big[1] + four[1] + whole[1] + small[1] + shm[1],
+        **_put_figures(elsewhere, elsewhere_report, "_elsewhere"),
+        "lookup_wrong_matches": sum(
+            run[1] for run in (idle, big, four, whole, small, shm, elsewhere)
+        ),
     }
