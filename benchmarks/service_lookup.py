@@ -19,7 +19,7 @@ chunk in 1 MiB parts (its defaults: ``put_part_bytes`` 1 MiB for chunks over
 ``bytes`` with the GIL held, so the message size, not the put size, sets how long a lookup
 can be held up. The same chunks are then put in 4 MiB parts (the client's default
 before), whole, one 32 MiB message each (``put_part_bytes=0``, as clients did before
-parts), and as 1 MiB chunks (64 per put, sent in 4 MiB messages). Last, the Llama chunks
+parts), and as 1 MiB chunks (64 per put, sent in 4 MiB messages). Then the Llama chunks
 are put over shared memory (same host), where no payload crosses gRPC at all. Last,
 the bound: the same 1 MiB-part stream goes to a second store of the same kind in a
 process of its own (``_elsewhere`` keys), so the timed lookups share the host's two
@@ -259,7 +259,7 @@ def _puts_elsewhere(client, chains, puts: int, max_seconds: float):
 
 
 def lookup_latency(target: str, idle_calls: int, puts: int, max_seconds: float) -> dict:
-    """Lookup p50/p99 idle, then under four streams of 64 MiB puts.
+    """Lookup p50/p99 idle, then under six streams of 64 MiB puts.
 
     Keys without a tag: Llama-3-8B bf16 chunks over TCP, each in 1 MiB parts;
     ``_4mib_parts``: the same in 4 MiB parts;
