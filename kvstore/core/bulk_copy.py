@@ -2,7 +2,9 @@
 
 Offers ``copier(total)``: the function ``copy(dest, src)`` (numpy uint8 arrays of one
 size) to use for a batch of copies of ``total`` bytes; ``streamer(total)``, the same but
-None where the batch would not be streamed (the caller keeps its own copy); ``load()``.
+None where the batch would not be streamed (the caller keeps its own copy);
+``uncached_copier()``, for bytes nobody reads soon (a store's copy into its memory),
+streamed whatever their size; ``load()``.
 
 Batches of at least ``STREAM_MIN`` bytes, more than a reader would find in the cache
 afterwards anyway, go through ``stream_copy.c`` (1.6-1.8x memcpy on the project's hosts,
@@ -64,16 +66,24 @@ def _plain(dest: np.ndarray, src: np.ndarray) -> None:
     np.copyto(dest, src)
 
 
-def copier(total: int, *, read_soon: bool = True) -> Copy:
+def copier(total: int) -> Copy:
     """How to copy a batch of ``total`` bytes: streamed where that pays and is built."""
-    return streamer(total, read_soon=read_soon) or _plain
+    return streamer(total) or _plain
 
 
-def streamer(total: int, *, read_soon: bool = True) -> Copy | None:
+def uncached_copier() -> Copy:
+    """How to copy bytes that nobody reads soon after: streamed whatever their size where
+    that is built, since keeping them in the cache would only push others out."""
+    return _streamed(load()) or _plain
+
+
+def streamer(total: int) -> Copy | None:
     """The streamed copy for a batch of ``total`` bytes; None where it would not pay or
-    is not built. A batch that nobody reads soon after (a store's copy into its memory)
-    is streamed whatever its size: keeping it in the cache would only push others out."""
-    lib = load() if total >= STREAM_MIN or not read_soon else None
+    is not built."""
+    return _streamed(load()) if total >= STREAM_MIN else None
+
+
+def _streamed(lib: ctypes.CDLL | None) -> Copy | None:
     if lib is None:
         return None
     stream = lib.kv_stream_copy

@@ -19,8 +19,8 @@ def test_an_x86_host_with_a_compiler_streams_large_batches_and_not_small_ones():
     assert bulk_copy.load() is not None
     assert bulk_copy.streamer(bulk_copy.STREAM_MIN) is not None
     assert bulk_copy.streamer(bulk_copy.STREAM_MIN - 1) is None
-    assert bulk_copy.streamer(4096, read_soon=False) is not None  # nobody reads it soon
     assert bulk_copy.copier(4096) is bulk_copy._plain
+    assert bulk_copy.uncached_copier() is not bulk_copy._plain  # nobody reads it soon
 
 
 @pytest.mark.skipif(not STREAMS_HERE, reason="streaming stores need x86-64 and a C compiler")
@@ -64,6 +64,7 @@ def test_without_a_compiler_copies_are_plain_and_right(tmp_path, monkeypatch, ca
     assert shutil.which("cc") is None
     with caplog.at_level(logging.INFO, logger="kvstore.core.bulk_copy"):
         assert bulk_copy.streamer(64 << 20) is None
+        assert bulk_copy.uncached_copier() is bulk_copy._plain
         copy = bulk_copy.copier(64 << 20)
     assert "no C compiler" in caplog.text and os.environ["PATH"] == str(empty)
     src = np.arange(1000, dtype=np.uint8)

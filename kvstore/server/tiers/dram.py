@@ -58,7 +58,7 @@ class DramTier(ExtentTierOps):
         # Touch every page now so the first writes run at copy speed, not fault speed.
         self._arr.fill(0)
         # a put's copy into the region: built now (once per host, ~0.5 s), not in a put
-        self._put_copy = bulk_copy.copier(0, read_soon=False)
+        self._put_copy = bulk_copy.uncached_copier()
 
     def stage(self, key: ChunkKey, nbytes: int) -> tuple[int, int] | None:
         """Room for a same-host writer to fill: ``(payload offset, length)`` in the region,
