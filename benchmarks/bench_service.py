@@ -23,10 +23,10 @@ GIL, as in a deployment) and move 1 MiB ``raw`` float16 chunk payloads:
   says whether they compiled); the ``_eager_`` keys are the eager kernels, best of 3.
 - ``lookup_*``: 512-key lookups of real chains (most keys matching) against a second
   server, a DRAM tier over LMDB (zstd, write-through), idle and while another process
-  streams 64 MiB puts into it, over TCP (Llama-3-8B chunks in 1 MiB and 4 MiB parts, and
-  whole; 1 MiB chunks)
-  and over shared memory (``service_lookup.py``), and, as the bound, while the stream
-  goes to a second such store in another process (``_elsewhere``);
+  streams 64 MiB puts into it, over TCP (Llama-3-8B chunks in 1 MiB and 4 MiB parts
+  and whole, and 1 MiB chunks) and over shared memory (``service_lookup.py``), and, as
+  the bound, while the stream goes to a second such store in another process
+  (``_elsewhere``);
   ``lookup_p50_ms`` / ``lookup_p99_ms`` are the idle figures.
 - ``concurrent_*``: 16 threads, each with its own client, mixing lookup, get, shm get
   and put + delete (counted as ``put``) against the default server (16 workers); every
