@@ -13,6 +13,7 @@ import torch
 from connector.layouts import CpuLayout
 from connector.plan import KVStoreMetadata, LoadSpec, SaveSpec
 from connector.scheduler import SchedulerHalf
+from kvstore.client.shards import rendezvous, shard_targets
 from kvstore.core.keys import chunk_keys
 from kvstore.server.grpc_server import StoreServer
 from kvstore.server.store import TieredStore
@@ -40,12 +41,30 @@ def shards():
         s.stop()
 
 
+def prompts_on_each_shard(spec: str, per_shard: int) -> list[list[int]]:
+    """``per_shard`` 4-chunk prompts whose chains rendezvous hashing puts on each shard.
+
+    The shards' ports are random, and so is the split of any fixed set of prompts: eight
+    fixed ones all landed on one shard about once in 128 runs.
+    """
+    targets = shard_targets(spec)
+    picked: list[list[list[int]]] = [[] for _ in targets]
+    i = 1
+    while min(len(p) for p in picked) < per_shard:
+        prompt = list(range(1000 * i, 1000 * i + 4 * CHUNK))
+        shard = picked[rendezvous(chunk_keys(NS.digest(), prompt, CHUNK)[0], targets)]
+        if len(shard) < per_shard:
+            shard.append(prompt)
+        i += 1
+    return [p for shard in picked for p in shard]
+
+
 def test_chains_saved_over_several_steps_live_whole_on_one_shard(shards):
     servers, addresses = shards
     spec = ",".join(addresses)
     src = paged_cache(num_blocks=64, seed=1)
     saver = worker(spec, src, transport="tcp")
-    prompts = [list(range(1000 * i, 1000 * i + 4 * CHUNK)) for i in range(1, 9)]
+    prompts = prompts_on_each_shard(spec, 4)  # shard 0's four chains, then shard 1's
     all_keys = [chunk_keys(NS.digest(), p, CHUNK) for p in prompts]
     for step in (0, 2):  # two chunks per step: the second step continues the chain
         saves = [
@@ -62,7 +81,9 @@ def test_chains_saved_over_several_steps_live_whole_on_one_shard(shards):
         assert saver.flush(10)
     assert saver.counters.saved_chunks == 8 * 4 and saver.counters.save_failures == 0
     per_shard = [s.store.stats().chunks for s in servers]
-    assert sum(per_shard) == 32 and all(n >= 4 for n in per_shard), per_shard
+    assert per_shard == [16, 16], per_shard
+    for i, keys in enumerate(all_keys):  # each chain whole on the shard its root hashes to
+        assert [s.store.lookup(keys).matched for s in servers] == ([4, 0] if i < 4 else [0, 4])
 
     sched = SchedulerHalf(config(spec), NS, BLOCK)
     for i, p in enumerate(prompts):
