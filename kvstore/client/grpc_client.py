@@ -106,6 +106,9 @@ class ClientOptions:
     # the first retry waits up to this long, each later one up to twice the one before
     # (gRPC draws each wait at random below its bound)
     backoff_s: float = 0.05
+    # how long one attempt to connect (TCP, TLS, HTTP/2's first SETTINGS) may take before
+    # gRPC gives it up and backs off; a store whose handshake is slower is never reached
+    connect_timeout_s: float = 2.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE
     put_batch_bytes: int = PUT_BATCH_BYTES
     # a chunk's payload longer than put_split_bytes is put in parts of put_part_bytes, so
@@ -133,6 +136,11 @@ class ClientOptions:
                 f"put_part_bytes and put_split_bytes must be >= 0 (put_part_bytes 0: no "
                 f"parts), got {self.put_part_bytes} and {self.put_split_bytes}"
             )
+        if not (math.isfinite(self.connect_timeout_s) and self.connect_timeout_s >= 0.1):
+            raise ValueError(
+                f"connect_timeout_s must be at least 0.1 s (gRPC's floor), "
+                f"got {self.connect_timeout_s}"
+            )
         ttl = self.shm_lease_ttl_s
         if ttl is not None and not (math.isfinite(ttl) and ttl > 0):
             raise ValueError(f"shm_lease_ttl_s must be a positive number of seconds, got {ttl}")
@@ -145,8 +153,11 @@ def _channel_options(opts: ClientOptions) -> list[tuple[str, int | str]]:
         # A store that restarts is back within a second or two; gRPC's default backoff
         # (growing to two minutes) would leave a long-lived client failing fast meanwhile.
         ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
+        # gRPC reads this one as the time a connection attempt may take, not as a backoff:
+        # at 100 ms (as it was) a store whose handshake took longer (a loaded host, TLS
+        # over a long link) failed every call UNAVAILABLE, whatever its deadline.
+        ("grpc.min_reconnect_backoff_ms", round(opts.connect_timeout_s * 1000)),
     ]
     if opts.retries:
         options += [

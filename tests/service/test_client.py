@@ -20,6 +20,7 @@ from kvstore.client.grpc_client import _channel_options
 from kvstore.server.grpc_server import StoreServer
 from tests.chunks import chain
 from tests.procs import free_port
+from tests.proxy import FaultyProxy
 from tests.service.conftest import keys_of, payloads_of
 
 
@@ -61,6 +62,29 @@ def test_the_retry_policy_names_only_idempotent_calls_and_is_gone_without_retrie
     assert "grpc.service_config" not in dict(_channel_options(ClientOptions(retries=0)))
     with pytest.raises(ValueError, match="backoff_s"):
         ClientOptions(backoff_s=0)
+
+
+def test_a_store_slower_to_shake_hands_than_100_ms_is_still_reached(client, served):
+    """gRPC takes ``grpc.min_reconnect_backoff_ms`` as the time one connection attempt may
+    take. At the 100 ms the client once set, a store whose handshake took longer (a loaded
+    host, TLS over a long link) failed every call UNAVAILABLE, whatever its deadline."""
+    records = chain(3, seed=7)
+    client.put(records)
+    proxy = FaultyProxy(int(served.address.rsplit(":", 1)[1]))
+    proxy.delay_s, proxy.mode = 0.3, "delay"  # every read, both ways: a handshake of >= 0.6 s
+    try:
+        target = f"127.0.0.1:{proxy.port}"
+        with KVStoreClient(target, ClientOptions(timeout_s=10.0, retries=0)) as slow:
+            assert slow.lookup(keys_of(records)).matched == 3
+        short = ClientOptions(timeout_s=10.0, retries=0, connect_timeout_s=0.2)
+        with KVStoreClient(target, short) as hasty, pytest.raises(ClientError) as err:
+            hasty.lookup(keys_of(records))
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "SETTINGS" in str(err.value)  # the attempt timed out, not the call
+    finally:
+        proxy.close()
+    with pytest.raises(ValueError, match="connect_timeout_s"):
+        ClientOptions(connect_timeout_s=0.05)
 
 
 def start_later(server: StoreServer, delay_s: float = 0.3) -> threading.Timer:
