@@ -1,13 +1,18 @@
 """Real chunk payloads for tests: valid headers, distinct contents, chained keys.
 
-Offers ``payload(seed)``, ``chain(n, seed, ns)``, ``keys_of``, ``payloads_of`` and
-``CHUNK_COST``, the room one such chunk takes in a memory tier.
+Offers ``payload(seed)``, ``chain(n, seed, ns)``, ``keys_of``, ``payloads_of``,
+``CHUNK_COST``, the room one such chunk takes in a memory tier, and ``pick_per_shard``, test
+chains picked so that every shard of a spec gets as many.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
 import torch
 
+from kvstore.client.shards import rendezvous, shard_targets
 from kvstore.core import codec
 from kvstore.core.keys import Namespace, chunk_keys
 from kvstore.core.types import ChunkRecord
@@ -45,3 +50,26 @@ def keys_of(records: list[ChunkRecord]) -> list[bytes]:
 
 def payloads_of(records: list[ChunkRecord]) -> list[bytes]:
     return [bytes(r.payload) for r in records]
+
+
+T = TypeVar("T")
+
+
+def pick_per_shard(
+    spec: str, n: int, candidates: Iterable[T], root: Callable[[T], bytes]
+) -> list[T]:
+    """``n`` of ``candidates`` for each shard of ``spec``, shard 0's first, each on the shard
+    that rendezvous hashing of its chain's ``root`` key picks (as the client does).
+
+    A fixed set of chains cannot be used: the shards' ports are random, and so is its split
+    (eight chains over two shards all landed on one about once in 128 runs).
+    """
+    targets = shard_targets(spec)
+    picked: list[list[T]] = [[] for _ in targets]
+    for c in candidates:
+        home = picked[rendezvous(root(c), targets)]
+        if len(home) < n:
+            home.append(c)
+        if min(len(h) for h in picked) == n:
+            return [x for home in picked for x in home]
+    raise ValueError(f"the candidates ran out before every shard had {n}")

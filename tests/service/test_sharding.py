@@ -5,31 +5,14 @@ shard; leases go back to the shard that granted them."""
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 
 from kvstore.client import ClientOptions
-from kvstore.client.shards import ShardedClient, rendezvous, shard_targets
+from kvstore.client.shards import ShardedClient
 from kvstore.server.tiers.shm_region import reclaim_stale
-from tests.chunks import chain, keys_of, payloads_of
+from tests.chunks import chain, keys_of, payloads_of, pick_per_shard
 from tests.procs import KVSTORE, Served, store_config
-
-
-def chains_on_each_shard(spec: str, per_shard: int) -> list:
-    """``per_shard`` 2-chunk chains that rendezvous hashing puts on each shard, in order.
-
-    The shards' ports are random, and so is the split of any fixed set of chains: thirty
-    fixed ones left a shard with fewer than three about once in 500 runs.
-    """
-    targets = shard_targets(spec)
-    picked: list[list] = [[] for _ in targets]
-    seed = 100
-    while min(len(p) for p in picked) < per_shard:
-        c = chain(2, seed=seed)
-        home = picked[rendezvous(c[0].key, targets)]
-        if len(home) < per_shard:
-            home.append(c)
-        seed += 1
-    return [c for home in picked for c in home]
 
 
 def test_three_shards_spread_chains_and_survive_losing_one(tmp_path):
@@ -39,12 +22,12 @@ def test_three_shards_spread_chains_and_survive_losing_one(tmp_path):
         shards.append(Served([KVSTORE, "serve", "--config", str(cfg)]))
     try:
         spec = ",".join(s.address for s in shards)
-        chains = chains_on_each_shard(spec, 10)
+        candidates = (chain(2, seed=seed) for seed in itertools.count(100))
+        chains = pick_per_shard(spec, 10, candidates, lambda c: c[0].key)
         with ShardedClient(spec, ClientOptions(timeout_s=2.0, retries=0)) as client:
             result = client.put([r for c in chains for r in c])
             assert (result.stored, result.rejected) == (60, [])
-            per_shard = [s.chunks for _, s in client.stats()]
-            assert per_shard == [20, 20, 20], per_shard
+            assert [s.chunks for _, s in client.stats()] == [20, 20, 20]
             for c in chains:  # each chain whole on exactly one shard
                 assert client.lookup(keys_of(c)).matched == 2
                 assert [bytes(p) for p in client.get(keys_of(c))] == payloads_of(c)
