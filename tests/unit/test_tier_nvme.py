@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 
 import lmdb
 import numpy as np
@@ -63,6 +64,19 @@ def test_round_trip_and_read_into(tmp_path, compression):
     assert tier.read_into(key(42), dest) is None
     with pytest.raises(InvalidArgument, match="dest holds 100 B"):
         tier.read_into(key(3), bytearray(100))
+    tier.close()
+
+
+def test_the_writer_keeps_no_payload_once_its_write_returned(tmp_path, compression):
+    """A Put's part buffer goes back to its pool for the next chunk only if nothing still
+    refers to it: the writer thread must not hold the last batch until the next arrives."""
+    tier = NvmeTier(str(tmp_path / "db"), MAP, compression=compression)
+    payload = np.frombuffer(fp8_like(1, 300_000), np.uint8).copy()
+    gone = weakref.ref(payload)
+    tier.write([ChunkRecord(key(0), None, NS, memoryview(payload))])
+    del payload
+    assert gone() is None
+    assert tier.read([key(0)]) == [fp8_like(1, 300_000)]
     tier.close()
 
 

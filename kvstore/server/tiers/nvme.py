@@ -208,6 +208,9 @@ class NvmeTier:
                 group.append(nxt)
                 size += nxt.nbytes
             self._commit(group)
+            # the payloads are the callers' again: holding them while waiting for the next
+            # job would keep a 32 MiB payload alive, and its buffer out of reuse
+            job = nxt = group = None
 
     def _commit(self, group: list[_Job]) -> None:
         try:
