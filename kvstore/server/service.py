@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import mmap
 from collections.abc import Iterator
 
 import grpc
@@ -23,6 +22,7 @@ from kvstore.core import wire
 from kvstore.core.types import ChunkRecord, NotFound
 from kvstore.rpc.pb import pb
 from kvstore.server.auth import Caller, tag_namespace
+from kvstore.server.part_buffers import PartBuffers
 from kvstore.server.service_admin import AdminRpcs
 from kvstore.server.service_calls import Abort, Limits
 from kvstore.server.service_handlers import Malformed
@@ -126,7 +126,7 @@ class KVStoreService(ShmRpcs, AdminRpcs):
                     if message.total_length:
                         *records, last = records
                         quota = self.quotas.inflight(caller.client, message.total_length)
-                        parts = _Parts(last, message.total_length, quota)
+                        parts = _Parts(last, message.total_length, quota, self.part_buffers)
                     nbytes = sum(memoryview(r.payload).nbytes for r in records)
                     self._wire("in", nbytes + (parts.filled if parts is not None else 0))
                     if records:
@@ -211,39 +211,27 @@ class _PutTotals:
         self.rejected += result.rejected
 
 
-def _small_pages(n: int) -> np.ndarray:
-    """``n`` bytes of fresh anonymous memory in 4 KiB pages (unzeroed by us: the kernel
-    hands out zero pages as they are first written)."""
-    region = mmap.mmap(-1, max(n, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(AttributeError, OSError):  # no THP on this kernel: nothing to do
-        region.madvise(mmap.MADV_NOHUGEPAGE)
-    return np.frombuffer(region, np.uint8, count=n)  # the array keeps the mapping alive
-
-
 class _Parts:
     """One chunk whose payload arrives in parts, copied into one buffer as they come.
 
     gRPC's Python server turns each received message into one ``bytes`` with the GIL held
     (a 32 MiB chunk in one message held lookups up for tens of ms); parts keep each
-    message small. The buffer is anonymous memory of its own, not zeroed by us (a
-    ``bytearray`` zeroes, and so page-faults, all of it with the GIL held), and
-    ``np.copyto`` lets the GIL go while it copies. It is kept out of transparent huge
-    pages: numpy asks for them on large arrays, and with the kernel's default ``defrag``
-    (``madvise``) each 2 MiB fault may compact memory on the spot, whose page moves stop
-    every thread of the store (TLB shootdowns); lookups under a stream of 32 MiB chunks
-    showed it (p99 5.5-5.8 ms, 4.3-4.4 ms without huge pages, ``bench_service.py``). The
+    message small. The buffer comes from the service's ``PartBuffers`` (``part_buffers``:
+    anonymous memory in 4 KiB pages, not zeroed by us, reused from chunk to chunk so its
+    pages are faulted in once), and ``np.copyto`` lets the GIL go while it copies. The
     client's in-flight byte quota covers the whole payload from its first part until
-    ``release``.
+    ``release``, which gives the buffer back.
     """
 
-    def __init__(self, head: ChunkRecord, total: int, quota) -> None:
-        self.head, self.total, self.quota = head, total, quota
+    def __init__(self, head: ChunkRecord, total: int, quota, buffers: PartBuffers) -> None:
+        self.head, self.total, self.quota, self.buffers = head, total, quota, buffers
         quota.__enter__()  # refuses (QuotaExceeded) before a byte is allocated
         try:
-            self.buf = _small_pages(total)
+            self.lent = buffers.take(total)
         except BaseException:
             quota.__exit__(None, None, None)
             raise
+        self.buf = self.lent.array
         self.filled = 0
         self.add(memoryview(head.payload))
 
@@ -260,7 +248,10 @@ class _Parts:
         return self.filled == self.total
 
     def release(self) -> None:
-        """Give the payload's bytes back to the client's in-flight quota."""
+        """Give the buffer back for the next chunk, and its bytes to the client's in-flight
+        quota. Nothing may hold the payload after this: the store copied what it kept."""
+        self.buf = None
+        self.buffers.give(self.lent)
         self.quota.__exit__(None, None, None)
 
     def record(self) -> ChunkRecord:

@@ -26,6 +26,7 @@ from kvstore.core.types import (
     TierFullError,
 )
 from kvstore.server.auth import Caller, Tenants, Unauthenticated
+from kvstore.server.part_buffers import PartBuffers
 from kvstore.server.quotas import QuotaExceeded, Quotas
 from kvstore.server.store import TieredStore
 
@@ -86,6 +87,7 @@ class ServiceCalls:
             limits.max_streams_per_client,
             limits.max_inflight_bytes_per_client,
         )
+        self.part_buffers = PartBuffers()  # chunks put in parts are gathered in these
         self.started = time.monotonic()
         self._draining = threading.Event()
 

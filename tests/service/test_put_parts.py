@@ -35,6 +35,17 @@ def test_parts_reassemble_byte_identical(served, part_bytes):
         assert c.put(records).duplicates == 3
 
 
+def test_chunks_put_in_parts_share_one_reused_buffer_and_each_reads_back_whole(served):
+    """Each chunk is gathered in the buffer the last one used (no page faults for it),
+    which the store must have copied out of: every chunk reads back its own bytes."""
+    records = chain(6, seed=11)  # distinct payloads of one size, so one buffer fits all
+    pool = served.server.service.part_buffers
+    with KVStoreClient(served.address, ClientOptions(put_part_bytes=5000, put_split_bytes=0)) as c:
+        assert c.put(records).stored == 6
+        assert [bytes(p) for p in c.get(keys_of(records))] == payloads_of(records)
+    assert (pool.fresh, pool.reused, pool.dropped) == (1, 5, 0)
+
+
 def test_parts_are_cut_in_bytes_whatever_the_payload_buffer_s_item_size(served):
     records = chain(2, seed=8)
     wide = [  # the same bytes as 2-byte items: slicing the view would count items
@@ -189,10 +200,10 @@ def _vm_flags(address: int) -> set[str]:
 def test_a_chunk_in_parts_is_gathered_outside_transparent_huge_pages():
     """numpy asks for huge pages on a large array ('hg'); the parts' buffer refuses them
     ('nh'): a huge page fault may compact memory and stall every thread of the store."""
-    from kvstore.server.service import _small_pages
+    from kvstore.server.part_buffers import small_pages
 
     big = np.empty(32 << 20, np.uint8)
-    parts = _small_pages(32 << 20)
+    parts = small_pages(32 << 20)
     parts[:] = 1
     middle = 16 << 20  # numpy advises only the 2 MiB-aligned inside of its allocation
     assert {"nh", "hg", "sh"} & _vm_flags(parts.ctypes.data + middle) == {"nh"}
