@@ -8,10 +8,10 @@ A fresh buffer for every chunk costs the store's process a page fault for each o
 4 KiB pages (8,192 for a 32 MiB chunk) and a ``munmap`` when it is dropped. Both take the
 process's memory-map lock and the ``munmap`` interrupts every core running one of its
 threads to flush their address caches, so every thread of the store, lookups included,
-feels each chunk's buffer come and go. A buffer that is reused was faulted in once.
-Lookup p99 under a stream of 64 MiB puts (Llama-3-8B bf16 chunks in 1 MiB parts),
-paired probe runs here, four rounds each: 5.73 against 6.44 ms, and 5.55 against 7.14 ms,
-with the put stream 10-15 % faster (``benchmarks/README.md``).
+feels each chunk's buffer come and go. A buffer that is reused was faulted in once. Under
+a stream of 64 MiB puts in 1 MiB parts, paired probe runs here: the store's minor faults
+per MiB put 268-425 -> 4-26 and the stream 5-10 % faster; the lookups' p99 5.74 -> 5.52 ms,
+within the rounds' spread (``benchmarks/README.md``).
 
 The pool keeps at most ``MAX_BUFFERS`` buffers and ``MAX_BYTES`` in all (the rest are
 dropped as before); an idle store holds them. A buffer is reused only when nothing but
@@ -47,6 +47,22 @@ def small_pages(n: int) -> np.ndarray:
     with contextlib.suppress(AttributeError, OSError):  # no THP on this kernel: nothing to do
         region.madvise(mmap.MADV_NOHUGEPAGE)
     return np.frombuffer(region, np.uint8, count=n)  # the array keeps the mapping alive
+
+
+def _refs(array: np.ndarray, whole: np.ndarray) -> tuple[int, int]:
+    return sys.getrefcount(array), sys.getrefcount(whole)
+
+
+def _unshared() -> tuple[int, int]:
+    """``_refs`` of an array and its whole buffer that only locals refer to, as in
+    ``give``. Measured rather than assumed: what a count includes varies between Python
+    versions (3.14 no longer counts a local passed as an argument)."""
+    whole = np.empty(16, np.uint8)
+    array = whole[:1]
+    return _refs(array, whole)
+
+
+_UNSHARED = _unshared()
 
 
 class PartBuffer:
@@ -90,9 +106,9 @@ class PartBuffers:
         buf.array = buf._whole = None
         if array is None:
             return  # given back already
-        # Expected references: ``array`` here and getrefcount's argument; ``whole`` the same
-        # plus ``array``'s base. Any more is a view or memoryview someone kept of the bytes.
-        if sys.getrefcount(array) > 2 or sys.getrefcount(whole) > 3:
+        # More references than a buffer nobody else holds has (measured the same way at
+        # import): a view or memoryview someone kept of the bytes.
+        if _refs(array, whole) != _UNSHARED:
             with self._lock:
                 self.dropped += 1
             return

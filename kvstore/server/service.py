@@ -249,7 +249,10 @@ class _Parts:
 
     def release(self) -> None:
         """Give the buffer back for the next chunk, and its bytes to the client's in-flight
-        quota. Nothing may hold the payload after this: the store copied what it kept."""
+        quota; once only. Nothing may hold the payload after this: the store copied what it
+        kept."""
+        if self.buf is None:
+            return
         self.buf = None
         self.buffers.give(self.lent)
         self.quota.__exit__(None, None, None)

@@ -56,7 +56,7 @@ def test_a_buffer_someone_still_reads_is_dropped_not_overwritten():
 
 
 def test_the_pool_keeps_no_more_than_its_bounds():
-    pool = PartBuffers(max_buffers=2, max_bytes=5 * ROUND)
+    pool = PartBuffers(max_buffers=2, max_bytes=100 * ROUND)
     bufs = [_fill(pool, 2 * ROUND, i) for i in range(3)]
     for b in bufs:
         pool.give(b)

@@ -84,6 +84,17 @@ class _Job:
     future: Future
 
 
+def _finish(job: _Job, error: Exception | None = None) -> None:
+    """Wake the job's caller, dropping its items first: the payloads are the caller's again
+    from then on, and one the writer still held (a 32 MiB one, say, until the next job)
+    would stay alive for nothing and keep a Put's part buffer out of reuse."""
+    job.items = ()
+    if error is None:
+        job.future.set_result(None)
+    else:
+        job.future.set_exception(error)
+
+
 class NvmeTier:
     name = "nvme"
     persistent = True
@@ -208,9 +219,6 @@ class NvmeTier:
                 group.append(nxt)
                 size += nxt.nbytes
             self._commit(group)
-            # the payloads are the callers' again: holding them while waiting for the next
-            # job would keep a 32 MiB payload alive, and its buffer out of reuse
-            job = nxt = group = None
 
     def _commit(self, group: list[_Job]) -> None:
         try:
@@ -223,10 +231,10 @@ class NvmeTier:
                 for job in group:
                     self._commit([job])
                 return
-            group[0].future.set_exception(self._translate(e, group[0].nbytes))
+            _finish(group[0], self._translate(e, group[0].nbytes))
             return
         for job in group:
-            job.future.set_result(None)
+            _finish(job)
 
     def _disk_full(self, code: int | None, nbytes: int) -> bool:
         # LMDB reports a short write as EIO: a disk without room for the transaction
