@@ -1,8 +1,8 @@
 """Buffers that gather a chunk's payload from its parts, reused from one chunk to the next.
 
 Offers ``small_pages(n)``, fresh anonymous memory in 4 KiB pages, and ``PartBuffers``, a
-bounded pool of such buffers: ``take(n)`` gives an ``n``-byte array, ``give(array)``
-offers it back once the put is done with it.
+bounded pool of such buffers: ``take(n)`` lends a ``PartBuffer`` whose ``array`` is ``n``
+bytes, ``give(buf)`` takes it back once the put is done with it.
 
 A fresh buffer for every chunk costs the store's process a page fault for each of its
 4 KiB pages (8,192 for a 32 MiB chunk) and a ``munmap`` when it is dropped. Both take the
