@@ -5,6 +5,8 @@ several servers can live in one process) and offers:
 
 - ``observe_rpc(method, seconds, code)``, ``rejected(reason, n)`` and
   ``bytes_transferred(direction, n)``: events the gRPC service reports as they happen;
+- ``watch_puts(inflight_fn, pooled_fn)``: what the service holds for puts, read at
+  each scrape;
 - ``serve_http(listen)``: the ``/metrics`` endpoint on ``"host:port"`` (port 0 picks
   a free one), returned as a ``MetricsEndpoint`` with ``.port`` and ``.close()``;
 - ``render()``: the exposition text, for tests and ``kvstore stats``.
@@ -26,6 +28,9 @@ Events (updated by the service)
     kvstore_rpc_total{method,code}            RPCs finished, by gRPC status name
     kvstore_rejected_requests_total{reason}   requests refused by the service
     kvstore_wire_bytes_total{direction}       payload bytes on the wire, "in" or "out"
+    kvstore_put_inflight_bytes                gauge, put bytes held in flight now
+                                              (counted against the per-client limit)
+    kvstore_put_buffers_pooled_bytes          gauge, idle part buffers kept for reuse
 Per tier (from TierStats)
     kvstore_tier_capacity_bytes{tier}         gauge
     kvstore_tier_used_bytes{tier}             gauge
@@ -63,6 +68,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
     start_http_server,
@@ -233,7 +239,22 @@ class Metrics:
         )
         for direction in DIRECTIONS:
             self._wire.labels(direction)
+        self._inflight = Gauge(
+            "kvstore_put_inflight_bytes",
+            "Put bytes held in flight now, counted against the per-client limit.",
+            registry=self.registry,
+        )
+        self._pooled = Gauge(
+            "kvstore_put_buffers_pooled_bytes",
+            "Bytes of idle put part buffers kept for reuse.",
+            registry=self.registry,
+        )
         self.registry.register(StoreCollector(stats_fn))
+
+    def watch_puts(self, inflight_fn: Callable[[], float], pooled_fn: Callable[[], float]) -> None:
+        """Export what the service holds for puts, read at each scrape (0 until called)."""
+        self._inflight.set_function(inflight_fn)
+        self._pooled.set_function(pooled_fn)
 
     def observe_rpc(self, method: str, seconds: float, code: str) -> None:
         self._rpc_seconds.labels(method).observe(seconds)

@@ -88,6 +88,8 @@ class ServiceCalls:
             limits.max_inflight_bytes_per_client,
         )
         self.part_buffers = PartBuffers()  # chunks put in parts are gathered in these
+        if metrics is not None:
+            metrics.watch_puts(self.quotas.inflight_bytes, lambda: self.part_buffers.pooled_bytes)
         self.started = time.monotonic()
         self._draining = threading.Event()
 

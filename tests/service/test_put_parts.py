@@ -12,9 +12,12 @@ import threading
 import grpc
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.client import AsyncKVStoreClient, ClientOptions, KVStoreClient
 from kvstore.core import wire
+from kvstore.server.metrics import Metrics
+from kvstore.server.part_buffers import ROUND
 from kvstore.server.service import Limits
 from tests.chunks import chain
 from tests.service.conftest import keys_of, payloads_of
@@ -208,3 +211,37 @@ def test_a_chunk_in_parts_is_gathered_outside_transparent_huge_pages():
     middle = 16 << 20  # numpy advises only the 2 MiB-aligned inside of its allocation
     assert {"nh", "hg", "sh"} & _vm_flags(parts.ctypes.data + middle) == {"nh"}
     assert "nh" not in _vm_flags(big.ctypes.data + middle)
+
+
+def _gauge(metrics: Metrics, name: str) -> float:
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            if sample.name == name:
+                return sample.value
+    raise AssertionError(f"{name} is not exported")
+
+
+def test_put_bytes_in_flight_and_idle_part_buffers_are_on_metrics(serve, open_store, raw_stub):
+    store = open_store()
+    metrics = Metrics(store.stats)
+    served = serve(store, metrics=metrics)
+    records = chain(1, seed=12)
+    size = len(records[0].payload)
+    first_sent, go = threading.Event(), threading.Event()
+
+    def slow():
+        yield first_part(records, 100)
+        first_sent.set()
+        go.wait(10)
+        yield rest(records, 100)
+
+    held = raw_stub(served.address).put.future(slow(), timeout=20)
+    try:
+        assert first_sent.wait(10)
+        wait_until(lambda: _gauge(metrics, "kvstore_put_inflight_bytes") == size, timeout_s=10)
+        assert _gauge(metrics, "kvstore_put_buffers_pooled_bytes") == 0  # the buffer is lent
+    finally:
+        go.set()
+    assert held.result().stored == 1
+    assert _gauge(metrics, "kvstore_put_inflight_bytes") == 0
+    assert _gauge(metrics, "kvstore_put_buffers_pooled_bytes") == ROUND  # back, whole MiB

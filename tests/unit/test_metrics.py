@@ -25,6 +25,8 @@ EXPORTED = {
     "kvstore_rpc_total": "counter",
     "kvstore_rejected_requests_total": "counter",
     "kvstore_wire_bytes_total": "counter",
+    "kvstore_put_inflight_bytes": "gauge",
+    "kvstore_put_buffers_pooled_bytes": "gauge",
     "kvstore_tier_capacity_bytes": "gauge",
     "kvstore_tier_used_bytes": "gauge",
     "kvstore_tier_chunks": "gauge",
