@@ -132,11 +132,10 @@ def test_max_chunk_bytes_applies_to_the_whole_payload_before_any_part_is_kept(se
     assert f"is {size} bytes; max_chunk_bytes is {size - 1}" in err.details()
 
 
-def test_a_payload_in_parts_holds_all_its_bytes_in_flight_from_its_first_part(serve, raw_stub):
-    records = chain(1, seed=5)
-    size = len(records[0].payload)
-    served = serve(limits=Limits(max_inflight_bytes_per_client=size + 100))
-    stub = raw_stub(served.address)
+def held_after_first_part(stub, records) -> tuple[grpc.Future, threading.Event]:
+    """A Put of ``records`` that sends the last chunk's first 100 bytes, then waits for
+    the returned event before sending the rest; returns once the first part is handed to
+    gRPC (which does not mean the server has read it)."""
     first_sent, go = threading.Event(), threading.Event()
 
     def slow():
@@ -147,6 +146,15 @@ def test_a_payload_in_parts_holds_all_its_bytes_in_flight_from_its_first_part(se
 
     held = stub.put.future(slow(), timeout=20)
     assert first_sent.wait(10)
+    return held, go
+
+
+def test_a_payload_in_parts_holds_all_its_bytes_in_flight_from_its_first_part(serve, raw_stub):
+    records = chain(1, seed=5)
+    size = len(records[0].payload)
+    served = serve(limits=Limits(max_inflight_bytes_per_client=size + 100))
+    stub = raw_stub(served.address)
+    held, go = held_after_first_part(stub, records)
     # the generator handing over its first part does not mean the server has read it
     wait_until(lambda: served.server.service.quotas.inflight_bytes() == size, timeout_s=10)
     other = chain(1, seed=6)
@@ -227,17 +235,8 @@ def test_put_bytes_in_flight_and_idle_part_buffers_are_on_metrics(serve, open_st
     served = serve(store, metrics=metrics)
     records = chain(1, seed=12)
     size = len(records[0].payload)
-    first_sent, go = threading.Event(), threading.Event()
-
-    def slow():
-        yield first_part(records, 100)
-        first_sent.set()
-        go.wait(10)
-        yield rest(records, 100)
-
-    held = raw_stub(served.address).put.future(slow(), timeout=20)
+    held, go = held_after_first_part(raw_stub(served.address), records)
     try:
-        assert first_sent.wait(10)
         wait_until(lambda: _gauge(metrics, "kvstore_put_inflight_bytes") == size, timeout_s=10)
         assert _gauge(metrics, "kvstore_put_buffers_pooled_bytes") == 0  # the buffer is lent
     finally:
