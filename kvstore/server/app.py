@@ -22,7 +22,9 @@ from kvstore.server.config import Config
 from kvstore.server.factory import build_store
 from kvstore.server.grpc_server import StoreServer
 from kvstore.server.metrics import Metrics, MetricsEndpoint
+from kvstore.server.put_process import PutProcess
 from kvstore.server.service import Limits
+from kvstore.server.store import TieredStore
 
 log = logging.getLogger("kvstore")
 
@@ -32,10 +34,14 @@ class Running:
     server: StoreServer
     metrics: MetricsEndpoint | None
     address: str
+    put_process: PutProcess | None = None
 
     def stop(self) -> None:
-        """Refuse new calls, finish in-flight ones, flush write-behind, close LMDB."""
+        """Stop the put process, refuse new calls, finish in-flight ones, flush
+        write-behind, close LMDB."""
         try:
+            if self.put_process is not None:
+                self.put_process.stop()
             self.server.stop()
         finally:
             if self.metrics is not None:
@@ -89,7 +95,53 @@ def start(config: Config) -> Running:
         except OSError:
             server.stop()
             raise
-    return Running(server, endpoint, address)
+    puts = None
+    if s.put_process and _put_process_fits(config, store):
+        service = server.service
+        puts = PutProcess(
+            store, put_spec(config, port, store), lambda p: setattr(service, "put_port", p)
+        )
+        puts.start()
+    return Running(server, endpoint, address, puts)
+
+
+def _put_process_fits(config: Config, store: TieredStore) -> bool:
+    """The put process fills room in a shared DRAM region, and clients reach it by TCP."""
+    if config.server.listen.startswith("unix:"):
+        log.info("no put process: it needs a TCP listen address; Put is served here")
+        return False
+    if not hasattr(store.tiers[0], "stage"):
+        log.info("no put process: its first tier is not dram; Put is served here")
+        return False
+    return True
+
+
+def put_spec(config: Config, port: int, store: TieredStore) -> dict:
+    """What the put process needs to know (``kvstore.server.put_worker``)."""
+    s, n = config.server, config.nvme
+    listen = s.put_listen
+    if not listen:
+        host = s.listen.rsplit(":", 1)[0]
+        wanted = int(s.listen.rsplit(":", 1)[1])
+        listen = f"{host}:{port + 1 if wanted else 0}"
+    limits = limits_of(config)
+    return {
+        "listen": listen,
+        "workers": s.workers,
+        "max_message_bytes": s.max_message_bytes,
+        "limits": {f: getattr(limits, f) for f in limits.__dataclass_fields__},
+        "tls": [s.tls_cert, s.tls_key, s.tls_client_ca] if s.tls_cert else None,
+        "tenants_file": s.tenants_file,
+        "nvme": {
+            "path": n.path,
+            "map_size": store.tiers[-1].capacity_bytes,  # as the store opened it
+            "compression": n.compression,
+            "zstd_level": n.zstd_level,
+            "sync": n.sync,
+        }
+        if n.enabled and store.tiers[-1].persistent
+        else None,
+    }
 
 
 def serve(config: Config) -> int:

@@ -136,6 +136,12 @@ class ServerConfig(_Section):
     max_leases_per_client: int = _opt(4096, "unexpired leases one client may hold")
     max_streams_per_client: int = _opt(64, "Get/Put streams one client may have open")
     max_inflight_bytes_per_client: Size = _size(GiB, "Put bytes one client may have in flight")
+    put_process: Bool = _opt(
+        True, "serve Put from a process of its own, so puts never slow lookups (needs dram)"
+    )
+    put_listen: str = _opt(
+        "", "host:port of the put process; empty: listen's host, its port + 1 (0 if 0)"
+    )
 
     def _check(self) -> None:
         self._require(
@@ -155,6 +161,11 @@ class ServerConfig(_Section):
         )
         self._require(
             _is_address(self.listen, unix=True), "listen", "must be host:port or unix:PATH"
+        )
+        self._require(
+            not self.put_listen or _is_address(self.put_listen, unix=False),
+            "put_listen",
+            "must be host:port, or empty for listen's host and the next port",
         )
         self._require(
             not self.metrics_listen or _is_address(self.metrics_listen, unix=False),

@@ -109,6 +109,7 @@ REJECT_REASONS = (
 # Why the store refused a chunk (kvstore_store_rejected_total{reason}).
 STORE_REJECT_REASONS = (
     "bad_payload",
+    "in_flight",
     "key_conflict",
     "parent_not_stored",
     "parent_rejected",

@@ -29,11 +29,9 @@ import threading
 from collections.abc import Callable, Sequence
 
 from kvstore.core.lanes import spread
-from kvstore.core.payload import parse_payload
 from kvstore.core.types import (
     ChunkKey,
     ChunkRecord,
-    InvalidArgument,
     KVStoreError,
     LookupResult,
     NotFound,
@@ -46,11 +44,11 @@ from kvstore.core.types import (
 from kvstore.server.index import Node, RadixIndex, TierSpec
 from kvstore.server.index.reservations import Reservations
 from kvstore.server.mover import Mover
+from kvstore.server.put_checks import validate_record
 from kvstore.server.reads import ReadPaths, check_keys, owned_chain
 from kvstore.server.shm_puts import SameHostPuts
 from kvstore.server.stats import StoreStats, TierStats
 from kvstore.server.tiers.base import Tier
-from kvstore.server.tiers.pacing import step_aside
 
 log = logging.getLogger(__name__)
 WRITE_POLICIES = ("write_through", "write_back", "none")
@@ -121,7 +119,15 @@ class TieredStore(ReadPaths, SameHostPuts):
 
     # ---- writes --------------------------------------------------------------------
 
-    def put(self, records: Sequence[ChunkRecord], owner: bytes | None = None) -> PutResult:
+    def put(
+        self,
+        records: Sequence[ChunkRecord],
+        owner: bytes | None = None,
+        *,
+        checked: bool = False,
+        persisted: frozenset[bytes] = frozenset(),
+        ticket: int | None = None,
+    ) -> PutResult:
         """Store a batch of chunks, parents before children.
 
         Per-chunk problems (a parent that is not stored, a bad payload, no room
@@ -132,12 +138,21 @@ class TieredStore(ReadPaths, SameHostPuts):
         rejected as "not persisted" though it stays cached in memory. When no
         chunk of the batch was stored, the cause is raised (``TierFullError``
         for lack of room).
+
+        The put process's commits (``commit_shm``) pass ``checked`` (it verified the
+        payloads' checksums already) and ``persisted`` (the keys it wrote to the last
+        tier itself, which write-through then records instead of writing again). A key
+        the put process has claimed is refused to every put but the commit of that
+        ``ticket``: two writers of one LMDB key could leave one's bytes under the
+        other's namespace.
         """
-        # checksums run without the GIL: a large batch is checked on several cores
-        checked = spread(
-            [functools.partial(self._validate, r) for r in records],
-            [memoryview(r.payload).nbytes for r in records],
-        )
+        if checked:
+            verdicts = [(r, self._checked_keys(r)) for r in records]
+        else:  # checksums run without the GIL: a large batch is checked on several cores
+            verdicts = spread(
+                [functools.partial(self._validate, r) for r in records],
+                [memoryview(r.payload).nbytes for r in records],
+            )
         stored = dups = 0
         rejected: list[tuple[ChunkKey, str]] = []
         rejected_keys: set[bytes] = set()
@@ -149,7 +164,9 @@ class TieredStore(ReadPaths, SameHostPuts):
             with self._lock:
                 self._expire()
                 self._stats.puts += 1
-            for rec, err in checked:
+            for rec, err in verdicts:
+                if err is None and self._claims.get(rec.key, ticket) != ticket:
+                    err = ("in_flight", "the put process is storing this chunk right now")
                 with self._lock:
                     if err is None and rec.parent is not None and rec.parent in rejected_keys:
                         err = ("parent_rejected", "parent was rejected")
@@ -184,7 +201,7 @@ class TieredStore(ReadPaths, SameHostPuts):
                 new.append(rec)
                 stored += 1
             if self._persist and self.write_policy == "write_through" and self.last > 0:
-                lost, why = self._write_behind(new)
+                lost, why = self._write_behind(new, persisted)
                 for rec in new:
                     if rec.key in lost:  # cached above, but not acknowledged as stored
                         rejected.append((rec.key, f"not persisted: {why}"))
@@ -199,32 +216,34 @@ class TieredStore(ReadPaths, SameHostPuts):
         return PutResult(stored, dups, rejected)
 
     def _validate(self, rec: ChunkRecord) -> tuple[ChunkRecord, tuple[str, str] | None]:
+        return rec, validate_record(rec, self.max_chunk_bytes)
+
+    def _checked_keys(self, rec: ChunkRecord) -> tuple[str, str] | None:
+        """What ``validate_record`` checks but the payload's checksum (verified already)."""
         check_key(rec.key)
         if rec.parent is not None:
             check_key(rec.parent, "parent")
-        if rec.parent is None:
+        else:
             check_ns(rec.ns)
-        size = memoryview(rec.payload).nbytes
-        if self.max_chunk_bytes is not None and size > self.max_chunk_bytes:
-            msg = f"chunk of {size} bytes exceeds max_chunk_bytes={self.max_chunk_bytes}"
-            return rec, ("too_large", msg)
-        try:
-            parse_payload(rec.payload, pace=step_aside)  # 32 MiB hashed in one go: ~3 ms
-        except InvalidArgument as exc:
-            return rec, ("bad_payload", f"bad payload: {exc}")
-        return rec, None
+        return None
 
     def _reject(self, code: str) -> None:
         """Count a refusal under a short, fixed code (a metrics label, so never free text)."""
         self._stats.rejected[code] = self._stats.rejected.get(code, 0) + 1
 
-    def _write_behind(self, records: list[ChunkRecord]) -> tuple[set[bytes], KVStoreError | None]:
+    def _write_behind(
+        self, records: list[ChunkRecord], persisted: frozenset[bytes] = frozenset()
+    ) -> tuple[set[bytes], KVStoreError | None]:
         """Persist freshly admitted chunks (write_through), keeping the last tier prefix-closed.
 
         Returns the keys that could not be persisted and why: when the batch does not
-        fit whole, the longest prefix that fits is persisted, chunk by chunk.
+        fit whole, the longest prefix that fits is persisted, chunk by chunk. Keys in
+        ``persisted`` that the last tier really holds are only recorded there.
         """
+        if persisted:
+            persisted = frozenset(self.tiers[self.last].holding(sorted(persisted)))
         plan: list[ChunkRecord | Node] = []
+        there: list[ChunkRecord] = []  # written by the put process: to record, not write
         seen: set[bytes] = set()
         with self._lock:
             for rec in records:
@@ -232,14 +251,32 @@ class TieredStore(ReadPaths, SameHostPuts):
                 if node is None or node.in_tier(self.last):
                     continue
                 for anc in self.index.missing_ancestors(node, self.last):
-                    if anc.key not in seen:
+                    if anc.key not in seen and anc.key not in persisted:
                         seen.add(anc.key)
                         plan.append(anc)
                 seen.add(rec.key)
-                plan.append(rec)
-        if not plan:
+                (there if rec.key in persisted else plan).append(rec)
+        if not plan and not there:
             return set(), None
-        batch = [self._mover.record_of(x) if isinstance(x, Node) else x for x in plan]
+        lost, why = self._copy_behind(
+            [self._mover.record_of(x) if isinstance(x, Node) else x for x in plan]
+        )
+        with self._lock:
+            for rec in there:  # parents first: a parent that could not be persisted ...
+                parent = self.index.get(rec.parent) if rec.parent is not None else None
+                if rec.parent is not None and (parent is None or not parent.in_tier(self.last)):
+                    lost.add(rec.key)  # ... leaves its children out of the last tier too
+                    continue
+                size = memoryview(rec.payload).nbytes
+                self.index.add(rec.key, rec.parent, rec.ns, size, self.last)
+                self._tstats[self.last].bytes_in += size
+        if lost and why is None:
+            why = KVStoreError("a parent chunk could not be persisted")
+        return lost, why
+
+    def _copy_behind(self, batch: list[ChunkRecord]) -> tuple[set[bytes], KVStoreError | None]:
+        if not batch:
+            return set(), None
         try:
             self._mover.copy_records(batch, self.last)
             return set(), None

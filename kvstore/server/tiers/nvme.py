@@ -18,7 +18,9 @@ whose content can be recomputed; ``sync=True`` flushes every commit to the disk.
 
 One store per data directory: the tier holds an flock on ``kvstore.lock`` there
 while open and refuses a directory another live process holds. Only the writer
-thread ever opens a write transaction.
+thread ever opens a write transaction. The store's put process opens the same
+directory with ``lock_dir=False`` and writes the chunks it was given room for (see
+``kvstore.server.shm_puts``); LMDB serialises the two processes' transactions.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ class NvmeTier:
         sync: bool = False,
         max_readers: int = 126,
         max_txn_bytes: int = MAX_TXN_BYTES,
+        lock_dir: bool = True,
     ) -> None:
         if compression not in COMPRESSION:
             raise InvalidArgument(f"nvme compression must be one of {sorted(COMPRESSION)}")
@@ -133,7 +136,7 @@ class NvmeTier:
             map_size = fit_map_size(path, map_size)
             _check_disk_room(path, map_size)
         self.capacity_bytes = map_size
-        self._dir_lock = _lock_data_dir(path, self.read_only)
+        self._dir_lock = _lock_data_dir(path, self.read_only) if lock_dir else None
         try:
             # readahead stays on: without it cold reads fall to a few dozen MB/s.
             self._env = lmdb.open(
@@ -152,7 +155,8 @@ class NvmeTier:
                 readonly=self.read_only,
             )
         except lmdb.Error as e:
-            os.close(self._dir_lock)
+            if self._dir_lock is not None:
+                os.close(self._dir_lock)
             raise KVStoreError(f"nvme tier: cannot open LMDB at {path}: {e}") from e
         self._local = threading.local()
         self._count_lock = threading.Lock()
@@ -335,6 +339,11 @@ class NvmeTier:
         self._drop(corrupt)
         return out
 
+    def holding(self, keys: Sequence[ChunkKey]) -> list[bytes]:
+        """Those of ``keys`` that have a value here (not checked: a header lookup each)."""
+        with self._env.begin(buffers=True) as txn:
+            return [bytes(k) for k in keys if txn.get(bytes(k)) is not None]
+
     def read_into(self, key: ChunkKey, dest: bytearray | memoryview | np.ndarray) -> int | None:
         """Copy or decompress one payload straight into ``dest`` (writable, C-contiguous).
 
@@ -434,7 +443,8 @@ class NvmeTier:
                 job.future.set_exception(KVStoreError("nvme tier closed before the write ran"))
         self._env.sync(True)
         self._env.close()
-        os.close(self._dir_lock)
+        if self._dir_lock is not None:
+            os.close(self._dir_lock)
 
 
 def _lock_data_dir(path: str, read_only: bool) -> int:

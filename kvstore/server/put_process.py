@@ -1,0 +1,222 @@
+"""The store's put process, store side: start it, answer it, restart it, clean up after it.
+
+Offers ``PutProcess(store, spec, on_port)`` with ``start()`` and ``stop()``. The put
+process (``python -m kvstore.server.put_worker``) serves ``Put`` on a port of its own,
+so that the receipt, checksums, copies, compression and LMDB writes of a put stream run
+outside the store's process and its lookups do not queue behind them (issue 9). It calls
+back over a private channel (a Unix socket in a fresh 0700 directory, authenticated by a
+random key the child reads from its stdin) for room (``reserve_shm``), to commit, to give
+room back and, for batches it cannot place, for a plain ``put``.
+
+``on_port(port)`` hears the put process's gRPC port once it serves and ``None`` whenever
+it stops; the service advertises it to clients (``Routes``), which fall back to the
+store's own ``Put`` while there is none. A put process that exits is restarted (after
+1 s, doubling up to 30 s while it keeps failing); everything it held is reclaimed first
+(``TieredStore.reclaim_worker``), so a crash mid-chunk leaves no room taken and nothing
+in LMDB that the index does not know. The child exits when its stdin closes, so it never
+outlives the store, even one killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Listener
+
+from kvstore.core.types import ChunkRecord, KVStoreError
+from kvstore.server.store import TieredStore
+
+log = logging.getLogger(__name__)
+START_TIMEOUT_S = 60.0
+MAX_BACKOFF_S = 30.0
+
+
+class PutProcess:
+    def __init__(
+        self, store: TieredStore, spec: dict, on_port: Callable[[int | None], None]
+    ) -> None:
+        self.store = store
+        self.spec = spec  # what the child needs: see put_worker.main
+        self._on_port = on_port
+        self._dir = tempfile.mkdtemp(prefix="kvstore-put-")  # 0700: only this user
+        self._key = os.urandom(32)
+        self._address = os.path.join(self._dir, "channel")
+        self._listener = Listener(self._address, "AF_UNIX", authkey=self._key)
+        self._live: int | None = None  # the generation now running
+        self._generation = 0
+        self._proc: subprocess.Popen | None = None
+        self._stopping = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._accept, name="kvstore-put-channel", daemon=True),
+            threading.Thread(target=self._supervise, name="kvstore-put-process", daemon=True),
+        ]
+        self.restarts = 0
+
+    @property
+    def pid(self) -> int | None:
+        proc = self._proc
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        """Stop the put process (its in-flight puts end), reclaim what it held."""
+        self._stopping.set()
+        self._on_port(None)
+        proc = self._proc
+        if proc is not None:
+            _end(proc)
+        self._threads[1].join(timeout=30)
+        self._listener.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # -- the child's life ---------------------------------------------------------------
+
+    def _supervise(self) -> None:
+        delay = 1.0
+        while not self._stopping.is_set():
+            self._generation += 1
+            gen = self._live = self._generation
+            began = time.monotonic()
+            rc: int | None = None
+            try:
+                proc = self._spawn(gen)
+            except OSError:
+                log.exception("cannot start the put process")
+                proc = None
+            if proc is not None:
+                self._proc = proc
+                port = _read_port(proc)
+                if port is not None and not self._stopping.is_set():
+                    log.info("put process %d serves Put on port %d", proc.pid, port)
+                    self._on_port(port)
+                rc = proc.wait()
+                self._on_port(None)
+            self._live = None
+            reclaimed = self.store.reclaim_worker(gen)
+            if self._stopping.is_set():
+                return
+            self.restarts += 1
+            if time.monotonic() - began > 60:
+                delay = 1.0
+            log.warning(
+                "put process exited (%s); %d reservations reclaimed; restarting in %.0f s "
+                "(puts go to the store itself meanwhile)",
+                "could not start" if proc is None else f"code {rc}",
+                reclaimed,
+                delay,
+            )
+            if self._stopping.wait(delay):
+                return
+            delay = min(delay * 2, MAX_BACKOFF_S)
+
+    def _spawn(self, generation: int) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstore.server.put_worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        spec = dict(self.spec, channel=self._address, authkey=self._key.hex())
+        spec["generation"] = generation
+        try:
+            proc.stdin.write(json.dumps(spec).encode() + b"\n")
+            proc.stdin.flush()  # and kept open: its end tells the child the store is gone
+        except OSError:
+            _end(proc)
+            raise
+        return proc
+
+    # -- the channel ----------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn = self._listener.accept()
+            except OSError:  # closed by stop()
+                return
+            except Exception:  # a caller without the key, say
+                log.warning("refused a connection to the put channel", exc_info=True)
+                continue
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn) -> None:
+        with conn:
+            try:
+                hello, gen = conn.recv()
+                if hello != "hello":
+                    return
+                while True:
+                    message = conn.recv()
+                    conn.send(self._answer(gen, message))
+            except (EOFError, OSError):
+                return
+
+    def _answer(self, gen: int, message: tuple) -> tuple:
+        store = self.store
+        try:
+            kind, *args = message
+            if kind == "reserve":
+                chunks, owner, ttl = args
+                ticket, refs, stored = store.reserve_shm(chunks, ttl, owner, worker=gen)
+                if ticket is not None and self._live != gen:
+                    store.reclaim_worker(gen)  # it died while we reserved: nobody will commit
+                    raise KVStoreError("the put process is restarting")
+                refs = [None if r is None else (r.region, r.offset, r.length) for r in refs]
+                return ("ok", (ticket, refs, stored, store.persists_for_worker()))
+            if kind == "commit":
+                ticket, owner, persisted = args
+                r = store.commit_shm(ticket, owner, worker=gen, persisted=persisted)
+                return ("ok", (r.stored, r.duplicates, list(r.rejected)))
+            if kind == "abort":
+                ticket, written = args
+                store.abort_shm(ticket, gen, written)
+                return ("ok", None)
+            if kind == "put":
+                records, owner = args
+                r = store.put([ChunkRecord(*rec) for rec in records], owner)
+                return ("ok", (r.stored, r.duplicates, list(r.rejected)))
+            return ("error", "InvalidArgument", f"unknown request {kind!r}")
+        except KVStoreError as exc:
+            return ("error", type(exc).__name__, str(exc))
+        except Exception as exc:
+            log.exception("put channel: %s failed", message[0] if message else "?")
+            return ("error", "KVStoreError", f"internal error in the store: {exc}")
+
+
+def _read_port(proc: subprocess.Popen) -> int | None:
+    """The port the child reports once it serves; None if it died or never said."""
+    result: list[int | None] = [None]
+
+    def read() -> None:
+        with contextlib.suppress(ValueError, KeyError, TypeError, OSError):
+            result[0] = int(json.loads(proc.stdout.readline())["port"])
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(START_TIMEOUT_S)
+    if result[0] is None and proc.poll() is None:
+        log.error("the put process did not report a port within %.0f s", START_TIMEOUT_S)
+        _end(proc)
+    return result[0]
+
+
+def _end(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Close the child's stdin (it stops), and kill it if it has not within ``grace_s``."""
+    with contextlib.suppress(OSError):
+        proc.stdin.close()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
