@@ -1,5 +1,6 @@
-"""The client side: gRPC clients (``grpc_client``), same-host shared-memory reads and writes
-(``shm_reader``, ``shm_writer``) and sharding over several stores (``shards``).
+"""The client side: gRPC clients (``grpc_client``), where their puts go (``put_routes``),
+same-host shared-memory reads and writes (``shm_reader``, ``shm_writer``) and sharding over
+several stores (``shards``).
 
 What vLLM processes load: never imports server code (``make lint`` checks it).
 """

@@ -7,8 +7,10 @@ call; every call has a deadline; gRPC retries idempotent calls on
 ``UNAVAILABLE`` with backoff within that deadline (a service-config
 ``retryPolicy``), and never ``Release``. Errors surface as ``ClientError`` with
 the gRPC status code and the server's message. Payloads come back as zero-copy views
-of the received messages. A client on the same host as the store may ask for
-shared-memory handles (``shm=True``) and copy straight from the DRAM tier; a
+of the received messages. ``KVStoreClient`` sends its puts to the store's put process
+when the store has one (``kvstore.client.put_routes``), and to the store when it is down;
+``AsyncKVStoreClient`` always puts to the store. A client on the same host as the store
+may ask for shared-memory handles (``shm=True``) and copy straight from the DRAM tier; a
 copy it cannot trust (``kvstore.client.shm_reader``) is read again over TCP. Never imports
 server code, so a vLLM process loads neither the index nor the tiers.
 """
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvstore.client.put_routes import FALLBACK, PutRoutes, put_target
 from kvstore.client.shm_reader import ShmReader, ShmReadStats, copiers
 from kvstore.core import wire
 from kvstore.core.types import ChunkRecord, KVStoreError, LookupResult, PutResult, ShmGrant
@@ -52,7 +55,17 @@ GRANT_FRESH_FRACTION = 0.25
 # lapses; Put stores duplicates. Release is not here: a retry after a lost answer would say
 # NOT_FOUND for a lease that was released. Nor is CommitShm: its ticket is spent on success.
 _RETRIED = {
-    SERVICE: ("Lookup", "Get", "GetShm", "Put", "ReserveShm", "Delete", "Stats", "Explain"),
+    SERVICE: (
+        "Lookup",
+        "Get",
+        "GetShm",
+        "Put",
+        "ReserveShm",
+        "Delete",
+        "Stats",
+        "Explain",
+        "Routes",
+    ),
     "grpc.health.v1.Health": ("Check",),
 }
 
@@ -124,6 +137,9 @@ class ClientOptions:
     shm_lease_ttl_s: float | None = None
     # TLS and token; None reads KVSTORE_TLS_CA/_CERT/_KEY and KVSTORE_TOKEN(_FILE)
     auth: ClientAuth | None = None
+    # send puts (those not over shared memory) to the store's put process when it has one
+    # (it says so in Routes), so that they do not slow its lookups; False: to the store
+    route_puts: bool = True
 
     def __post_init__(self) -> None:
         if self.retries < 0 or not (math.isfinite(self.backoff_s) and self.backoff_s > 0):
@@ -258,8 +274,12 @@ class KVStoreClient:
         self.target = target
         self.options = options or ClientOptions()
         auth = self.options.auth or ClientAuth.from_env()
-        self._channel = auth.channel(target, _channel_options(self.options))
+        options = _channel_options(self.options)
+        self._channel = auth.channel(target, options)
         ch = self._channel
+        self._routes: PutRoutes | None = None  # None: every put goes to the store
+        if self.options.route_puts and put_target(target, 0) is not None:
+            self._routes = PutRoutes(target, ch, lambda address: auth.channel(address, options))
         self._lookup = ch.unary_unary(
             _method("Lookup"), pb.LookupRequest.SerializeToString, pb.LookupResponse.FromString
         )
@@ -527,23 +547,41 @@ class KVStoreClient:
         self, records: Sequence[ChunkRecord], timeout_s: float | None = None, *, shm: bool = False
     ) -> PutResult:
         """Store chunks, parents first. With ``shm`` (same host only) the payloads are
-        copied straight into the store's shared memory (``kvstore.client.shm_writer``)."""
+        copied straight into the store's shared memory (``kvstore.client.shm_writer``).
+
+        Otherwise they go to the store's put process when it has one, and to the store
+        itself when it has none or the put process cannot be reached; all within one
+        deadline, ``timeout_s``."""
         if shm:
             from kvstore.client.shm_writer import put_same_host
 
             return put_same_host(self, records, timeout_s)
         batches = _batches(records, self.options.put_batch_bytes)
+        timeout = timeout_s if timeout_s is not None else self.options.timeout_s
+        deadline = time.monotonic() + timeout
+
+        def send(put):
+            def call(b, timeout):
+                o = self.options
+                return put(_encoded(b, o.put_part_bytes, o.put_split_bytes), timeout=timeout)
+
+            left = max(0.0, deadline - time.monotonic())
+            return self._call("Put", call, batches, timeout_s=left)
+
+        routes = self._routes
+        route = routes.route(timeout) if routes is not None else None
+        if routes is not None and route is not None:
+            port, put = route
+            try:
+                return _put_result(send(put))
+            except ClientError as exc:
+                if exc.code not in FALLBACK:
+                    raise
+                # the put process is down or gone: the store takes the whole put (stored
+                # keys come back as duplicates), and the next puts, until it is asked again
+                routes.failed(port)
         # Put is idempotent (a stored key is a duplicate): a retry re-sends every batch.
-        resp = self._call(
-            "Put",
-            lambda b, timeout: self._put(
-                _encoded(b, self.options.put_part_bytes, self.options.put_split_bytes),
-                timeout=timeout,
-            ),
-            batches,
-            timeout_s=timeout_s,
-        )
-        return _put_result(resp)
+        return _put_result(send(self._put))
 
     def release(self, lease_id: int, timeout_s: float | None = None) -> None:
         self._call(
@@ -589,6 +627,8 @@ class KVStoreClient:
         from kvstore.client.shm_writer import close_region
 
         close_region(self)
+        if self._routes is not None:
+            self._routes.close()
         self._channel.close()
 
     def __enter__(self) -> KVStoreClient:
@@ -599,7 +639,8 @@ class KVStoreClient:
 
 
 class AsyncKVStoreClient:
-    """The asyncio twin of ``KVStoreClient`` (bytes only, no shared memory)."""
+    """The asyncio twin of ``KVStoreClient`` (bytes only, no shared memory). Its puts
+    always go to the store itself, never to a put process (``Routes`` is not asked)."""
 
     def __init__(self, target: str, options: ClientOptions | None = None) -> None:
         self.target = target

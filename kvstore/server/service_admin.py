@@ -1,8 +1,9 @@
-"""The servicer's admin RPCs: ``Delete``, ``Stats`` and ``Explain``.
+"""The servicer's admin RPCs: ``Delete``, ``Stats``, ``Explain`` and ``Routes``.
 
 Offers the ``AdminRpcs`` mixin of ``KVStoreService``. A tenant's call only ever reaches
 or shows its own namespaces: a tenant's ``Stats`` hides the store-wide counters, and
 ``Explain`` never changes what it explains (no recency refreshed, no lease taken).
+``Routes`` tells clients where to send their puts (``put_port``, the store's put process).
 """
 
 from __future__ import annotations
@@ -101,3 +102,9 @@ class AdminRpcs(ServiceCalls):
             )
 
         return self._call("Explain", context, run)
+
+    def Routes(self, request, context):
+        def run(caller: Caller):
+            return pb.RoutesResponse(put_port=self.put_port or 0)
+
+        return self._call("Routes", context, run)

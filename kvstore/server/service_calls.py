@@ -92,6 +92,8 @@ class ServiceCalls:
             metrics.watch_puts(self.quotas.inflight_bytes, lambda: self.part_buffers.pooled_bytes)
         self.started = time.monotonic()
         self._draining = threading.Event()
+        # set by whoever starts a put process for this store; Routes tells clients
+        self.put_port: int | None = None
 
     def drain(self) -> None:
         """Refuse new calls with UNAVAILABLE while in-flight ones finish."""

@@ -23,8 +23,11 @@ if TYPE_CHECKING:
     from kvstore.server.service import KVStoreService
 
 
-def generic_handler(service: KVStoreService) -> grpc.GenericRpcHandler:
-    """Method handlers for ``kvstore.v1.KVStore``; Get and Put bypass protobuf for payloads."""
+def generic_handler(
+    service: KVStoreService, only: tuple[str, ...] | None = None
+) -> grpc.GenericRpcHandler:
+    """Method handlers for ``kvstore.v1.KVStore``; Get and Put bypass protobuf for payloads.
+    With ``only``, just those methods (the put process serves ``Put`` alone)."""
 
     def unary(fn, req):
         return grpc.unary_unary_rpc_method_handler(
@@ -48,7 +51,10 @@ def generic_handler(service: KVStoreService) -> grpc.GenericRpcHandler:
         "Delete": unary(service.Delete, pb.DeleteRequest),
         "Stats": unary(service.Stats, pb.StatsRequest),
         "Explain": unary(service.Explain, pb.ExplainRequest),
+        "Routes": unary(service.Routes, pb.RoutesRequest),
     }
+    if only is not None:
+        handlers = {name: h for name, h in handlers.items() if name in only}
     return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 

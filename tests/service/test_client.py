@@ -52,6 +52,7 @@ def test_the_retry_policy_names_only_idempotent_calls_and_is_gone_without_retrie
     retried = {name["method"] for name in method["name"]}
     assert retried == {"Lookup", "Get", "GetShm", "Put", "ReserveShm", "Delete", "Stats"} | {
         "Explain",
+        "Routes",
         "Check",
     }
     assert "Release" not in retried and "CommitShm" not in retried

@@ -33,7 +33,7 @@ FUZZ = settings(
     database=None,
 )
 SERVER_FAULTS = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
-METHODS = ["Lookup", "Get", "GetShm", "Put", "Release", "Delete", "Stats", "Explain"]
+METHODS = ["Lookup", "Get", "GetShm", "Put", "Release", "Delete", "Stats", "Explain", "Routes"]
 STREAM_OUT = {"Get"}
 STREAM_IN = {"Put"}
 KNOWN = chain(3, seed=77)  # stored before the fuzzing; must survive it

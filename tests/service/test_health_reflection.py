@@ -73,6 +73,7 @@ def test_reflection_lists_the_services_and_describes_kvstore(served):
             "Delete",
             "Stats",
             "Explain",
+            "Routes",
         }
         methods = {m.name: m for m in service.method}
         assert methods["Get"].server_streaming and methods["Put"].client_streaming
