@@ -98,9 +98,7 @@ def start(config: Config) -> Running:
     puts = None
     if s.put_process and _put_process_fits(config, store):
         service = server.service
-        puts = PutProcess(
-            store, put_spec(config, port, store), lambda p: setattr(service, "put_port", p)
-        )
+        puts = PutProcess(store, put_spec(config, store), lambda p: setattr(service, "put_port", p))
         puts.start()
     return Running(server, endpoint, address, puts)
 
@@ -116,14 +114,12 @@ def _put_process_fits(config: Config, store: TieredStore) -> bool:
     return True
 
 
-def put_spec(config: Config, port: int, store: TieredStore) -> dict:
+def put_spec(config: Config, store: TieredStore) -> dict:
     """What the put process needs to know (``kvstore.server.put_worker``)."""
     s, n = config.server, config.nvme
-    listen = s.put_listen
-    if not listen:
-        host = s.listen.rsplit(":", 1)[0]
-        wanted = int(s.listen.rsplit(":", 1)[1])
-        listen = f"{host}:{port + 1 if wanted else 0}"
+    # by default a free port: clients learn it from Routes, and a fixed one (listen's + 1,
+    # say) would collide with a second store on the next port of the same host
+    listen = s.put_listen or s.listen.rsplit(":", 1)[0] + ":0"
     limits = limits_of(config)
     return {
         "listen": listen,

@@ -140,7 +140,7 @@ class ServerConfig(_Section):
         True, "serve Put from a process of its own, so puts never slow lookups (needs dram)"
     )
     put_listen: str = _opt(
-        "", "host:port of the put process; empty: listen's host, its port + 1 (0 if 0)"
+        "", "host:port of the put process; empty: listen's host, a free port (told to clients)"
     )
 
     def _check(self) -> None:
@@ -165,7 +165,7 @@ class ServerConfig(_Section):
         self._require(
             not self.put_listen or _is_address(self.put_listen, unix=False),
             "put_listen",
-            "must be host:port, or empty for listen's host and the next port",
+            "must be host:port, or empty for listen's host and a free port",
         )
         self._require(
             not self.metrics_listen or _is_address(self.metrics_listen, unix=False),

@@ -1,0 +1,221 @@
+"""The put process: a store started as ``kvstore serve`` starts it serves ``Put`` from a
+process of its own, which checks, copies and persists real-model-sized chunks, dies
+without leaving anything behind, is restarted, and never outlives its store.
+
+Real parts throughout: ``kvstore.server.app.start`` in this process (so the test can
+look at the store's index), the put process as the real child it starts, a real DRAM
+region and a real LMDB; the last test runs the store as a ``kvstore serve`` process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from kvstore.client import ClientOptions, KVStoreClient
+from kvstore.core.types import ChunkRecord
+from kvstore.rpc.pb import SERVICE, pb
+from kvstore.server import app
+from kvstore.server.config import load_config
+from tests.chunks import chain, keys_of, payloads_of
+from tests.procs import KVSTORE, Served, store_config
+from tests.service.test_real_sizes import FP8_BYTES, llama_chains
+
+DIRECT = ClientOptions(timeout_s=60.0)  # for the put process's own port: it has no Routes
+
+
+def _config(lmdb, **over):
+    return load_config(
+        env={},
+        overrides={
+            "server.listen": "127.0.0.1:0",
+            "server.metrics_listen": "",
+            "dram.capacity_bytes": 256 << 20,
+            "nvme.path": str(lmdb),
+            "nvme.map_size": 1 << 30,
+            **over,
+        },
+    )
+
+
+def _wait_port(running, old: int | None = None, timeout: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        port = running.server.service.put_port
+        if port and port != old:
+            return port
+        time.sleep(0.05)
+    raise AssertionError("the put process never reported a port")
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie nobody reaped yet counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _put_calls(running) -> int:
+    text = running.server.service.metrics.render().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kvstore_rpc_duration_seconds_count") and 'method="Put"' in line
+    )
+
+
+def _lmdb_orphans(store) -> list[bytes]:
+    """Keys in LMDB that the index does not place there."""
+    out = []
+    for chunk in store.tiers[-1].scan():
+        node = store.index.get(chunk.key)
+        if node is None or not node.in_tier(store.last):
+            out.append(chunk.key)
+    return out
+
+
+@pytest.fixture
+def running(tmp_path):
+    started = []
+
+    def start(**over):
+        r = app.start(_config(tmp_path / "lmdb", **over))
+        started.append(r)
+        return r
+
+    yield start
+    for r in started:
+        r.stop()
+
+
+def test_real_sized_chunks_put_through_the_put_process_are_stored_persisted_and_identical(
+    running, tmp_path
+):
+    r = running()
+    port = _wait_port(r)
+    pid = r.put_process.pid
+    assert pid != os.getpid() and _alive(pid)
+    fp8, _ = llama_chains(2, seed=21)
+    tiny = chain(3, seed=22)
+    assert len(fp8[0].payload) == FP8_BYTES
+    with KVStoreClient(f"127.0.0.1:{port}", DIRECT) as putter:
+        assert putter.put(fp8).stored == 2
+        assert putter.put(tiny).stored == 3
+        assert putter.put(tiny).duplicates == 3
+    assert _put_calls(r) == 0  # none of those bytes reached the store's own Put
+    store = r.server.store
+    assert [t.chunks for t in store.stats().tiers] == [5, 5]
+    assert store._tickets == {} and store._claims == {} and _lmdb_orphans(store) == []
+    with KVStoreClient(r.address) as client:
+        assert [bytes(p) for p in client.get(keys_of(fp8))] == payloads_of(fp8)
+        dests = [torch.empty(len(x.payload), dtype=torch.uint8) for x in tiny]
+        assert client.get_shm_into(keys_of(tiny), dests) == 3
+        assert [d.numpy().tobytes() for d in dests] == payloads_of(tiny)
+    r.stop()
+    assert not _alive(pid)  # it stops with its store
+    # what the put process wrote to LMDB, read back by a store with no DRAM at all
+    again = running(**{"dram.enabled": False, "server.put_process": False})
+    assert again.put_process is None
+    with KVStoreClient(again.address) as client:
+        assert [bytes(p) for p in client.get(keys_of(fp8))] == payloads_of(fp8)
+        assert [bytes(p) for p in client.get(keys_of(tiny))] == payloads_of(tiny)
+
+
+def test_the_put_process_refuses_a_bad_payload_and_stores_nothing_of_it_or_after_it(running):
+    r = running()
+    port = _wait_port(r)
+    records = chain(3, seed=23)
+    spoiled = bytearray(records[1].payload)
+    spoiled[-1] ^= 0xFF  # one flipped bit in the body: the checksum catches it
+    records[1] = ChunkRecord(records[1].key, records[1].parent, records[1].ns, bytes(spoiled))
+    with KVStoreClient(f"127.0.0.1:{port}", DIRECT) as putter:
+        result = putter.put(records)
+    assert result.stored == 1
+    assert [k for k, _ in result.rejected] == keys_of(records)[1:]
+    assert "checksum" in result.rejected[0][1]
+    store = r.server.store
+    assert store.lookup(keys_of(records)).matched == 1
+    assert [t.chunks for t in store.stats().tiers] == [1, 1] and _lmdb_orphans(store) == []
+
+
+def test_only_put_is_served_there(running):
+    r = running()
+    port = _wait_port(r)
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        lookup = channel.unary_unary(
+            f"/{SERVICE}/Lookup", pb.LookupRequest.SerializeToString, pb.LookupResponse.FromString
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            lookup(pb.LookupRequest(keys=[b"k" * 16]), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_a_put_process_killed_mid_stream_leaves_nothing_behind_and_is_restarted(running):
+    r = running()
+    port = _wait_port(r)
+    store = r.server.store
+    fp8, _ = llama_chains(6, seed=24)
+    outcome: list[object] = []
+
+    def put_all() -> None:
+        with KVStoreClient(f"127.0.0.1:{port}", DIRECT) as putter:
+            try:
+                outcome.append(putter.put(fp8))
+            except Exception as exc:  # the put process died under it
+                outcome.append(exc)
+
+    putting = threading.Thread(target=put_all)
+    putting.start()
+    deadline = time.monotonic() + 60
+    while len(store.index) < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    old = r.put_process.pid
+    os.kill(old, signal.SIGKILL)  # with the first chunk in, the next ones in flight
+    putting.join(60)
+    assert isinstance(outcome[0], Exception) or outcome[0].stored < 6
+    new_port = _wait_port(r, old=port)
+    assert r.put_process.pid not in (None, old) and r.put_process.restarts == 1
+    # nothing held for the dead process: no room, no claim, nothing in LMDB unindexed
+    assert store._tickets == {} and store._claims == {}
+    assert _lmdb_orphans(store) == []
+    stored = len(store.index)
+    assert 1 <= stored < 6
+    assert store.index.used[0] == sum(store.tiers[0].cost(FP8_BYTES) for _ in range(stored))
+    with KVStoreClient(f"127.0.0.1:{new_port}", DIRECT) as putter:
+        result = putter.put(fp8)
+    assert (result.stored, result.duplicates) == (6 - stored, stored)
+    with KVStoreClient(r.address) as client:
+        assert [bytes(p) for p in client.get(keys_of(fp8))] == payloads_of(fp8)
+
+
+def test_a_store_killed_with_sigkill_takes_its_put_process_with_it(tmp_path):
+    config = store_config(tmp_path / "kvstore.yaml", tmp_path / "lmdb")
+    served = Served([KVSTORE, "serve", "--config", str(config)])
+    try:
+        deadline = time.monotonic() + 60
+        while not (children := _children(served.proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(children) == 1
+    finally:
+        served.kill()
+    deadline = time.monotonic() + 30
+    while _alive(children[0]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(children[0])
+
+
+def _children(pid: int) -> list[int]:
+    """Child processes of ``pid``, whichever of its threads started them."""
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(x) for x in f.read().split()]
+    return out
