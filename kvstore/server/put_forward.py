@@ -24,6 +24,7 @@ import threading
 from collections.abc import Sequence
 from multiprocessing.connection import Client
 
+import grpc
 import numpy as np
 
 from kvstore.core.lanes import spread
@@ -37,6 +38,7 @@ from kvstore.core.types import (
     TierFullError,
 )
 from kvstore.server.put_checks import validate_record
+from kvstore.server.service_calls import Abort
 
 SHM_DIR = "/dev/shm"
 COPY_PIECE = 4 << 20  # numpy lets the GIL go for each piece's copy
@@ -64,7 +66,12 @@ class StoreChannel:
             status, *answer = conn.recv()
         except (OSError, EOFError) as exc:  # the store went away: this process goes too
             self._local.conn = None
-            raise KVStoreError(f"the store's channel broke: {exc}") from exc
+            # UNAVAILABLE: the client resends the put to the store itself
+            raise Abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the put process lost its store ({exc}); put to the store itself",
+                "shutting_down",
+            ) from exc
         if status == "ok":
             return answer[0]
         kind, text = answer
@@ -135,10 +142,12 @@ class ForwardingStore:
     def _put_checked(self, records: list[ChunkRecord], owner: bytes | None) -> PutResult:
         chunks = [(r.key, r.parent, r.ns, memoryview(r.payload).nbytes) for r in records]
         ticket, refs, stored, persist = self.channel.call("reserve", chunks, owner, 60.0)
-        if ticket is None or any(ref is None and not held for ref, held in zip(refs, stored)):
+        if any(ref is None and not held for ref, held in zip(refs, stored)):
             if ticket is not None:
                 self.channel.call("abort", ticket, [])
             return self._put_plainly(records, owner)
+        if ticket is None:  # the store holds every one of them already
+            return PutResult(0, len(records), [])
         roomed = [(rec, ref) for rec, ref in zip(records, refs) if ref is not None]
         written: list[bytes] = []
         try:

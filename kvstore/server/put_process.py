@@ -122,10 +122,14 @@ class PutProcess:
             delay = min(delay * 2, MAX_BACKOFF_S)
 
     def _spawn(self, generation: int) -> subprocess.Popen:
+        # the child imports this very kvstore, however this process found it
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvstore.server.put_worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": path},
         )
         spec = dict(self.spec, channel=self._address, authkey=self._key.hex())
         spec["generation"] = generation
