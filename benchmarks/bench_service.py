@@ -22,11 +22,13 @@ GIL, as in a deployment) and move 1 MiB ``raw`` float16 chunk payloads:
   K and V per second, with the fused kernels (``compile_kernels``; ``codec_fp8_compiled``
   says whether they compiled); the ``_eager_`` keys are the eager kernels, best of 3.
 - ``lookup_*``: 512-key lookups of real chains (most keys matching) against a second
-  server, a DRAM tier over LMDB (zstd, write-through), idle and while another process
+  server, a DRAM tier over LMDB (zstd, write-through) run as ``kvstore serve`` runs it
+  (its put process serves the puts on a port of its own), idle and while another process
   streams 64 MiB puts into it, over TCP (Llama-3-8B chunks in 1 MiB and 4 MiB parts
   and whole, and 1 MiB chunks) and over shared memory (``service_lookup.py``), and, as
   the bound, while the stream goes to a second such store in another process
-  (``_elsewhere``);
+  (``_elsewhere``), and, for comparison, with the first stream sent to the store's own
+  ``Put`` rather than its put process (``_to_store``, as before there was one);
   ``lookup_p50_ms`` / ``lookup_p99_ms`` are the idle figures.
 - ``concurrent_*``: 16 threads, each with its own client, mixing lookup, get, shm get
   and put + delete (counted as ``put``) against the default server (16 workers); every
@@ -105,11 +107,12 @@ def serve(conn, big_chunks: int, raw_len: int, raw_count: int, put_bytes: int) -
 
     tmp = tempfile.mkdtemp(prefix="bench-service-")
     cost = ExtentTable.cost(HEADER_BYTES + body_bytes(BIG))
-    stores = [
+    dram = StoreServer(
         TieredStore([DramTier(big_chunks * cost)], write_policy="none"),
-        service_lookup.tiered_store(tmp, put_bytes),
-    ]
-    servers = [StoreServer(s, "127.0.0.1:0", grace_s=1.0) for s in stores]
+        "127.0.0.1:0",
+        grace_s=1.0,
+    )
+    lookups = service_lookup.start_store(tmp, put_bytes)  # with its put process
     rng = np.random.default_rng(1)
     messages = [rng.integers(0, 256, raw_len, dtype=np.uint8).tobytes() for _ in range(raw_count)]
 
@@ -132,11 +135,11 @@ def serve(conn, big_chunks: int, raw_len: int, raw_count: int, put_bytes: int) -
     )
     raw_port = raw.add_insecure_port("127.0.0.1:0")
     raw.start()
-    conn.send([s.start() for s in servers] + [raw_port])
+    conn.send([dram.start(), lookups.server.port, raw_port])
     conn.recv()  # the parent says stop
     raw.stop(0)
-    for s in servers:
-        s.stop()
+    dram.stop()
+    lookups.stop()
     shutil.rmtree(tmp)
     conn.send("stopped")
 
@@ -435,6 +438,7 @@ def main() -> None:
                 ("32 MiB whole", "_whole_chunks"),
                 ("1 MiB", "_1mib_chunks"),
                 ("shm", "_shm"),
+                ("to the store itself", "_to_store"),
                 ("other store", "_elsewhere"),
             )
         ],
@@ -489,6 +493,7 @@ def main() -> None:
                 or lk["put_stream_whole_chunks_errors"]
                 or lk["put_stream_1mib_chunks_errors"]
                 or lk["put_stream_shm_errors"]
+                or lk["put_stream_to_store_errors"]
                 or lk["put_stream_elsewhere_errors"]
             ),
             "concurrent_no_errors": not conc["errors"],

@@ -1,13 +1,17 @@
 """Lookup latency over TCP loopback, idle and while another process streams 64 MiB puts.
 
-Offers ``tiered_store(tmp)`` (the store under test, built in the server process),
+Offers ``start_store(tmp, put_bytes)`` (the store under test as ``kvstore serve`` runs
+it, put process included, started in the benchmark's server process), ``tiered_store``
+(the same store without gRPC or put process, for the bound's second store),
 ``lookup_latency(target, idle_calls, puts, max_seconds)`` (run by the benchmark), and
 ``put_stream`` (the putting client, a process of its own so that its encoding does not
 share a GIL with the timed lookups).
 
 The store is a DRAM tier (512 MiB) over an NVMe tier (zstd, write-through), so a put
 parses and checksums its chunks, copies them into DRAM, compresses and commits them to
-LMDB, and evicts from DRAM once the stream has filled it. Four real 512-key chains of
+LMDB, and evicts from DRAM once the stream has filled it. The client sends its puts to
+the store's put process (the port ``Routes`` names), which does all of that but the
+eviction and the index's bookkeeping outside the store's process. Four real 512-key chains of
 small chunks are stored, to 512, 496, 480 and 448 keys; each lookup asks for one whole
 chain (round robin) and must match exactly the stored prefix. Each put is a 2-chunk chain
 of Llama-3-8B 256-token bf16 chunks (33,554,468 B each, 64 MiB per put; the default
@@ -20,8 +24,10 @@ chunk in 1 MiB parts (its defaults: ``put_part_bytes`` 1 MiB for chunks over
 can be held up. The same chunks are then put in 4 MiB parts (the client's default
 before), whole, one 32 MiB message each (``put_part_bytes=0``, as clients did before
 parts), and as 1 MiB chunks (64 per put, sent in 4 MiB messages). Then the Llama chunks
-are put over shared memory (same host), where no payload crosses gRPC at all. Last,
-the bound: the same 1 MiB-part stream goes to a second store of the same kind in a
+are put over shared memory (same host), where no payload crosses gRPC at all (the
+store's own ``CommitShm`` checks and persists them). Then the first stream once more,
+to the store's own ``Put`` (``_to_store``): the store as it was before it had a put
+process. Last, the bound: the same 1 MiB-part stream goes to a second store of the same kind in a
 process of its own (``_elsewhere`` keys), so the timed lookups share the host's two
 cores with all of a put's work but not their store's process (its GIL).
 """
@@ -71,6 +77,13 @@ PUTS = {
         False,
         0,
     ),
+    "llama8b_bf16_to_store": (
+        Namespace("bench-llama8b-to-store", "r0", 32, 8, 128, 256, "raw"),
+        LLAMA8B_CHUNK,
+        2,
+        False,
+        None,
+    ),
     "1MiB": (
         Namespace("bench-1mib", "r0", 4, 8, 128, 64, "raw"),
         (4, 8, 64, 128),
@@ -89,13 +102,47 @@ PUTS = {
 DRAM_BYTES = 512 << 20
 
 
+def start_store(tmp: str, put_bytes: int):
+    """The lookup store as ``kvstore serve`` runs it (``kvstore.server.app``): the store of
+    ``tiered_store`` behind its gRPC server and its put process, which serves ``Put`` on
+    a port of its own. Returns the ``Running`` once the put process serves."""
+    from kvstore.server import app
+    from kvstore.server.config import load_config
+
+    config = load_config(
+        env={},
+        overrides={
+            "server.listen": "127.0.0.1:0",
+            "server.metrics_listen": "",
+            "server.grace_s": 1.0,
+            "dram.capacity_bytes": DRAM_BYTES,
+            "nvme.path": tmp,
+            "nvme.map_size": nvme_bytes(put_bytes),
+            "nvme.compression": "zstd",
+            "store.write_policy": "write_through",
+        },
+    )
+    running = app.start(config)
+    deadline = time.monotonic() + 60
+    while not running.server.service.put_port:
+        if time.monotonic() > deadline:
+            running.stop()
+            raise RuntimeError("the store's put process did not start")
+        time.sleep(0.05)
+    return running
+
+
+def nvme_bytes(put_bytes: int) -> int:
+    return 2 * put_bytes + (1 << 30)
+
+
 def tiered_store(tmp: str, put_bytes: int):
     """DRAM over LMDB with zstd, write-through: what a put pays for, under the writer lock."""
     from kvstore.server.store import TieredStore
     from kvstore.server.tiers.dram import DramTier
     from kvstore.server.tiers.nvme import NvmeTier
 
-    nvme = NvmeTier(tmp, map_size=2 * put_bytes + (1 << 30), compression="zstd")
+    nvme = NvmeTier(tmp, map_size=nvme_bytes(put_bytes), compression="zstd")
     return TieredStore([DramTier(DRAM_BYTES), nvme], write_policy="write_through")
 
 
@@ -115,7 +162,8 @@ def put_stream(
     payload = bytes(chunk_payload("raw", "bfloat16", shape, bf16.view(np.uint8)))
     times: list[tuple[float, float]] = []
     errors: list[str] = []
-    options = ClientOptions(timeout_s=120.0)
+    # "_to_store": the puts go to the store's own Put, not its put process (as before it)
+    options = ClientOptions(timeout_s=120.0, route_puts=not kind.endswith("_to_store"))
     if part_bytes is not None:
         options = dataclasses.replace(options, put_part_bytes=part_bytes)
     with KVStoreClient(target, options) as client:
@@ -267,6 +315,8 @@ def lookup_latency(target: str, idle_calls: int, puts: int, max_seconds: float) 
     ``_1mib_chunks``: the same bytes as 1 MiB chunks (4 MiB messages);
     ``_shm``: Llama chunks again, copied by the client into the store's shared memory
     (``put(shm=True)``), so no payload crosses gRPC;
+    ``_to_store``: the first stream again, sent to the store's own ``Put`` instead of its
+    put process (``route_puts=False``), as every put went before the put process;
     ``_elsewhere``: the first stream again, into a second store in another process (the
     bound: the same load on the host's cores, none on the lookup store's process).
     """
@@ -286,6 +336,9 @@ def lookup_latency(target: str, idle_calls: int, puts: int, max_seconds: float) 
         _, shm, shm_report = _under_puts(
             client, chains, target, "llama8b_bf16_shm", puts, max_seconds, 0
         )
+        _, itself, itself_report = _under_puts(
+            client, chains, target, "llama8b_bf16_to_store", puts, max_seconds, 0
+        )
         _, elsewhere, elsewhere_report = _puts_elsewhere(client, chains, puts, max_seconds)
     p = _pct(idle[0])
     return {
@@ -298,8 +351,9 @@ def lookup_latency(target: str, idle_calls: int, puts: int, max_seconds: float) 
         **_put_figures(whole, whole_report, "_whole_chunks"),
         **_put_figures(small, small_report, "_1mib_chunks"),
         **_put_figures(shm, shm_report, "_shm"),
+        **_put_figures(itself, itself_report, "_to_store"),
         **_put_figures(elsewhere, elsewhere_report, "_elsewhere"),
         "lookup_wrong_matches": sum(
-            run[1] for run in (idle, big, four, whole, small, shm, elsewhere)
+            run[1] for run in (idle, big, four, whole, small, shm, itself, elsewhere)
         ),
     }
