@@ -54,6 +54,7 @@ class PutProcess:
         self._live: int | None = None  # the generation now running
         self._generation = 0
         self._proc: subprocess.Popen | None = None
+        self._proc_lock = threading.Lock()
         self._stopping = threading.Event()
         self._threads = [
             threading.Thread(target=self._accept, name="kvstore-put-channel", daemon=True),
@@ -72,9 +73,10 @@ class PutProcess:
 
     def stop(self) -> None:
         """Stop the put process (its in-flight puts end), reclaim what it held."""
-        self._stopping.set()
+        with self._proc_lock:  # a child started from now on is ended by the supervisor
+            self._stopping.set()
+            proc = self._proc
         self._on_port(None)
-        proc = self._proc
         if proc is not None:
             _end(proc)
         self._threads[1].join(timeout=30)
@@ -96,7 +98,11 @@ class PutProcess:
                 log.exception("cannot start the put process")
                 proc = None
             if proc is not None:
-                self._proc = proc
+                with self._proc_lock:
+                    self._proc = proc
+                    late = self._stopping.is_set()  # stop() ran while it started
+                if late:
+                    _end(proc)
                 port = _read_port(proc)
                 if port is not None and not self._stopping.is_set():
                     log.info("put process %d serves Put on port %d", proc.pid, port)

@@ -219,3 +219,16 @@ def _children(pid: int) -> list[int]:
         with open(f"/proc/{pid}/task/{task}/children") as f:
             out += [int(x) for x in f.read().split()]
     return out
+
+
+def test_a_store_stopped_while_its_put_process_starts_leaves_no_child_behind(tmp_path):
+    """stop() can come before, while or after the supervisor starts the child; in every
+    case the child is ended and the supervisor finishes (it once waited for ever)."""
+    for i in range(3):
+        r = app.start(_config(tmp_path / f"lmdb{i}"))
+        time.sleep(0.05 * i)
+        r.stop()
+        supervisor = r.put_process._threads[1]
+        assert not supervisor.is_alive()
+        proc = r.put_process._proc
+        assert proc is None or proc.poll() is not None
