@@ -16,7 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 KVSTORE = str(Path(sys.executable).parent / "kvstore")
 
 
-def store_config(path: Path, lmdb: Path, dram: str = "64MiB") -> Path:
+def store_config(path: Path, lmdb: Path, dram: str = "64MiB", put_process: bool = True) -> Path:
+    """A store's YAML config; without ``put_process``, every put goes to the store's own
+    port (where a test's proxy in front of that port must see all of a client's traffic)."""
     path.write_text(
         "\n".join(
             [
@@ -24,6 +26,7 @@ def store_config(path: Path, lmdb: Path, dram: str = "64MiB") -> Path:
                 "  listen: 127.0.0.1:0",
                 "  metrics_listen: 127.0.0.1:0",
                 "  grace_s: 5",
+                f"  put_process: {str(put_process).lower()}",
                 "dram:",
                 f"  capacity_bytes: {dram}",
                 "nvme:",

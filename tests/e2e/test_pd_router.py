@@ -105,7 +105,8 @@ def nodes(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("pd")
     model = Path(build_tiny_llama(work / "model"))
-    store_cfg = store_config(work / "s.yaml", work / "lmdb")
+    # no put process: p's saves must pass the proxy too, not go to a port of their own
+    store_cfg = store_config(work / "s.yaml", work / "lmdb", put_process=False)
     store = Served([KVSTORE, "serve", "--config", str(store_cfg)])
     # p reaches the store through a proxy (over TCP) that a test can hold back
     proxy = FaultyProxy(int(store.address.rsplit(":", 1)[1]))
