@@ -20,6 +20,8 @@ refused to every other put, so one LMDB key never has two writers.
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,6 +36,7 @@ from kvstore.core.types import (
 from kvstore.server.reads import ShmRef, owned_chain
 
 ShmChunk = tuple[bytes, bytes | None, bytes, int]  # key, parent, namespace, length
+CLAIM_WAIT_S = 10.0  # a put waits this long for the put process to finish a key it claims
 
 
 @dataclass
@@ -51,6 +54,7 @@ class SameHostPuts:
         self._tickets: dict[int, _Ticket] = {}
         self._ticket_ids = itertools.count(1)
         self._claims: dict[bytes, int] = {}  # key -> the put process's ticket writing it
+        self._unclaimed = threading.Condition()  # notified whenever claims end
 
     def persists_for_worker(self) -> bool:
         """Whether a put process should write the last tier itself (write-through)."""
@@ -119,6 +123,8 @@ class SameHostPuts:
         tier = self.tiers[0]
         charged = 0
         persist = worker is not None and self.persists_for_worker()
+        keep = [c[1] for c in chunks if c[1] is not None]  # parents stay where they are
+        chain_ns: dict[bytes, bytes] = {}  # staged here: key -> its chain's namespace
         for key, parent, ns, length in chunks:
             with self._lock:
                 node = self.index.get(key)
@@ -128,8 +134,14 @@ class SameHostPuts:
             too_big = self.max_chunk_bytes is not None and length > self.max_chunk_bytes
             if held or too_big:
                 continue
-            if worker is not None and (node is not None or key in self._claims):
-                continue
+            if worker is not None:
+                # The put process writes LMDB before the commit's checks, and a store that
+                # dies in between rebuilds from LMDB: room only for a chunk nobody else
+                # writes, under a parent of this owner's (stored, or staged just before).
+                chain = self._chain_ns(key, parent, ns, owner, chain_ns)
+                if node is not None or key in self._claims or chain is None:
+                    continue
+                ns = chain
             cost = tier.cost(length)
             with self._lock:
                 plan = self.index.plan_eviction(0, cost)
@@ -143,7 +155,7 @@ class SameHostPuts:
             if where is None:
                 continue
             try:
-                room_below = not persist or self._room_below(length, last)
+                room_below = not persist or self._room_below(length, last, keep)
             except BaseException:
                 tier.unstage([key])
                 raise
@@ -154,14 +166,42 @@ class SameHostPuts:
                 self.index.charge(0, cost)  # room nobody else may take meanwhile
             charged += cost
             staged.append((key, parent, ns, length))
+            chain_ns[key] = ns
             refs[-1] = ShmRef(tier.region_name, *where)
         return charged
 
-    def _room_below(self, length: int, last: list[int]) -> bool:
+    def _chain_ns(
+        self,
+        key: bytes,
+        parent: bytes | None,
+        ns: bytes,
+        owner: bytes | None,
+        staged: dict[bytes, bytes],
+    ) -> bytes | None:
+        """The namespace ``key`` is stored under: its own as a chain's first chunk, else
+        its parent's, when that parent is staged in this batch or stored for ``owner``;
+        None when it is neither (index lock taken here)."""
+        if parent is None:
+            return ns
+        if parent in staged:
+            return staged[parent]
+        with self._lock:
+            node = self.index.get(parent)
+            if node is None or not owned_chain([node], owner):
+                return None
+            return node.ns
+
+    def reserved_namespaces(self, ticket: int) -> dict[bytes, bytes]:
+        """Each reserved chunk's chain namespace, which the put process writes to LMDB."""
+        with self._wlock:
+            t = self._tickets.get(ticket)
+            return {} if t is None else {c[0]: c[2] for c in t.chunks}
+
+    def _room_below(self, length: int, last: list[int], keep: Sequence[bytes] = ()) -> bool:
         """Make and hold room in the last tier for ``length`` bytes (writer lock held)."""
         cost = self.tiers[self.last].cost(length)
         with self._lock:
-            plan = self.index.plan_eviction(self.last, cost)
+            plan = self.index.plan_eviction(self.last, cost, keep)
         if plan is None:
             return False
         self._mover.execute(plan)
@@ -255,6 +295,20 @@ class SameHostPuts:
             self.tiers[self.last].delete(stray)
         for key in [k for k, t in self._claims.items() if t == ticket]:
             del self._claims[key]
+        with self._unclaimed:
+            self._unclaimed.notify_all()
+
+    def wait_unclaimed(self, keys: Sequence[bytes], timeout_s: float = CLAIM_WAIT_S) -> None:
+        """Wait (up to ``timeout_s``) until the put process no longer claims any of
+        ``keys``: a put of a prefix it is storing right now then finds it stored, instead
+        of being refused (two requests sharing a system prompt, say)."""
+        deadline = time.monotonic() + timeout_s
+        with self._unclaimed:
+            while any(k in self._claims for k in keys):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._unclaimed.wait(left)
 
     def _lapse_tickets(self) -> None:
         """Give back the room of reservations nobody committed in time (writer lock held)."""

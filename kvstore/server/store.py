@@ -142,8 +142,9 @@ class TieredStore(ReadPaths, SameHostPuts):
         The put process's commits (``commit_shm``) pass ``checked`` (it verified the
         payloads' checksums already) and ``persisted`` (the keys it wrote to the last
         tier itself, which write-through then records instead of writing again). A key
-        the put process has claimed is refused to every put but the commit of that
-        ``ticket``: two writers of one LMDB key could leave one's bytes under the
+        the put process has claimed is waited for (``wait_unclaimed``), and refused
+        (``in_flight``) to every put but the commit of that ``ticket`` if the claim
+        outlasts the wait: two writers of one LMDB key could leave one's bytes under the
         other's namespace.
         """
         if checked:
@@ -153,6 +154,8 @@ class TieredStore(ReadPaths, SameHostPuts):
                 [functools.partial(self._validate, r) for r in records],
                 [memoryview(r.payload).nbytes for r in records],
             )
+        if self._claims and ticket is None:
+            self.wait_unclaimed([r.key for r in records])
         stored = dups = 0
         rejected: list[tuple[ChunkKey, str]] = []
         rejected_keys: set[bytes] = set()

@@ -5,6 +5,8 @@ once per process), which writes the bytes and tells the index nothing, as that
 process's writes do; tests/service/test_put_process.py has the real second process.
 """
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -76,15 +78,92 @@ def test_a_key_the_put_process_claimed_is_refused_to_other_puts_until_it_commits
 
 def test_what_the_put_process_wrote_for_a_refused_chunk_is_deleted_from_lmdb(store_and_writer):
     store, writer = store_and_writer
-    orphan = chain(2, seed=3)[1:]  # its parent is stored nowhere
-    ticket, refs, _ = store.reserve_shm(_chunks(orphan), 30.0, worker=GEN)
-    _fill(store, refs, orphan)
-    writer.write(orphan)
-    assert _in_lmdb(store, keys_of(orphan)) == {orphan[0].key}
-    result = store.commit_shm(ticket, worker=GEN, persisted=keys_of(orphan))
+    parent, child = chain(2, seed=3)
+    assert store.put([parent]).stored == 1
+    ticket, refs, _ = store.reserve_shm(_chunks([child]), 30.0, worker=GEN)
+    _fill(store, refs, [child])
+    writer.write([child])
+    store.delete([parent.key])  # deleted before the commit: the child has no parent now
+    assert _in_lmdb(store, [child.key]) == {child.key}
+    result = store.commit_shm(ticket, worker=GEN, persisted=[child.key])
     assert result.stored == 0 and result.rejected[0][1] == "parent is not stored"
-    assert _in_lmdb(store, keys_of(orphan)) == set()
+    assert _in_lmdb(store, [child.key]) == set()
     assert store.index.used == [0, 0] and store._claims == {}
+
+
+def test_the_put_process_gets_no_room_under_a_parent_that_is_not_its_owner_s(store_and_writer):
+    """It writes LMDB before the commit's checks; a store that dies in between rebuilds
+    from LMDB, so room under an absent or another tenant's parent would graft the chunk."""
+    store, _ = store_and_writer
+    parent, child = chain(2, seed=12)
+    assert store.reserve_shm(_chunks([child]), 30.0, worker=GEN)[0] is None  # no parent
+    owner_y = parent.ns[:8]  # a tenant's tag heads its namespaces (kvstore.server.auth)
+    owner_x = bytes(b ^ 0xFF for b in owner_y)
+    assert store.put([parent], owner=owner_y).stored == 1
+    ticket, refs, _ = store.reserve_shm(_chunks([child]), 30.0, owner=owner_x, worker=GEN)
+    assert ticket is None and refs == [None]
+    ticket, refs, _ = store.reserve_shm(_chunks([child]), 30.0, owner=owner_y, worker=GEN)
+    assert ticket is not None and refs[0] is not None
+    store.abort_shm(ticket, GEN)
+
+
+def test_a_reserved_chunk_is_filed_under_its_chain_s_namespace(store_and_writer):
+    store, _ = store_and_writer
+    root, child, grandchild = chain(3, seed=13)
+    other_ns = b"\x01" * 32  # what a client may send for a chunk that is not a chain's first
+    chunks = [
+        (c.key, c.parent, other_ns if c.parent else c.ns, len(c.payload))
+        for c in (root, child, grandchild)
+    ]
+    ticket, _, _ = store.reserve_shm(chunks, 30.0, worker=GEN)
+    assert store.reserved_namespaces(ticket) == {r.key: root.ns for r in (root, child, grandchild)}
+    store.abort_shm(ticket, GEN)
+
+
+def test_last_tier_room_for_a_chunk_never_evicts_its_own_parent(tmp_path):
+    from kvstore.server.store import TieredStore
+    from kvstore.server.tiers.dram import DramTier
+    from kvstore.server.tiers.nvme import NvmeTier
+    from tests.chunks import CHUNK_COST
+
+    parent, child = chain(2, seed=50)
+    size = len(parent.payload)
+    nvme = NvmeTier(str(tmp_path / "lmdb"), 64 * MiB)
+    nvme.capacity_bytes = 6 * size  # the index sees room for six chunks
+    store = TieredStore([DramTier(4 * CHUNK_COST), nvme])
+    try:
+        store.put([parent])
+        for seed in range(51, 55):  # newer chains: the parent is the oldest, and leaves DRAM
+            store.put(chain(1, seed=seed))
+        assert store.index.get(parent.key).tiers == 0b10  # in nvme only, and nvme is full
+        ticket, refs, _ = store.reserve_shm(_chunks([child]), 30.0, worker=GEN)
+        assert store.index.get(parent.key) is not None  # another chunk made the room
+        _fill(store, refs, [child])
+        store.tiers[-1].write([child])
+        assert store.commit_shm(ticket, worker=GEN, persisted=[child.key]).stored == 1
+        assert store.lookup(keys_of([parent, child])).matched == 2
+    finally:
+        store.close()
+
+
+def test_a_put_of_a_key_the_put_process_is_storing_waits_and_finds_it_stored(
+    store_and_writer,
+):
+    """Two requests saving one system prompt: the second put waits for the first's claim,
+    instead of being refused with every chunk after the shared prefix."""
+    store, writer = store_and_writer
+    shared = chain(2, seed=14)
+    ticket, refs, _ = store.reserve_shm(_chunks(shared), 30.0, worker=GEN)
+    done: list = []
+    other = threading.Thread(target=lambda: done.append(store.put(shared)))
+    other.start()
+    other.join(0.3)
+    assert other.is_alive()  # waiting for the claim, not refused
+    _fill(store, refs, shared)
+    writer.write(shared)
+    assert store.commit_shm(ticket, worker=GEN, persisted=keys_of(shared)).stored == 2
+    other.join(10)
+    assert (done[0].stored, done[0].duplicates, done[0].rejected) == (0, 2, [])
 
 
 def test_a_commit_whose_chunks_the_put_process_could_not_persist_is_written_by_the_store(
