@@ -17,14 +17,15 @@ between the two paths.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import mmap
 import os
 import threading
 from collections.abc import Sequence
 from multiprocessing.connection import Client
 
-import grpc
 import numpy as np
 
 from kvstore.core.lanes import spread
@@ -38,8 +39,8 @@ from kvstore.core.types import (
     TierFullError,
 )
 from kvstore.server.put_checks import validate_record
-from kvstore.server.service_calls import Abort
 
+log = logging.getLogger("kvstore.put_process")
 SHM_DIR = "/dev/shm"
 COPY_PIECE = 4 << 20  # numpy lets the GIL go for each piece's copy
 _ERRORS = {
@@ -64,14 +65,13 @@ class StoreChannel:
         try:
             conn.send(message)
             status, *answer = conn.recv()
-        except (OSError, EOFError) as exc:  # the store went away: this process goes too
-            self._local.conn = None
-            # UNAVAILABLE: the client resends the put to the store itself
-            raise Abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"the put process lost its store ({exc}); put to the store itself",
-                "shutting_down",
-            ) from exc
+        except (OSError, EOFError):
+            # The store went away, or the line broke under a reservation that nobody
+            # would ever commit or give back: this process goes, so that the store
+            # reclaims all it held and starts a fresh one. Its clients see UNAVAILABLE
+            # and put to the store itself.
+            log.error("the channel to the store broke; the put process exits")
+            os._exit(3)
         if status == "ok":
             return answer[0]
         kind, text = answer
@@ -141,7 +141,7 @@ class ForwardingStore:
 
     def _put_checked(self, records: list[ChunkRecord], owner: bytes | None) -> PutResult:
         chunks = [(r.key, r.parent, r.ns, memoryview(r.payload).nbytes) for r in records]
-        ticket, refs, stored, persist = self.channel.call("reserve", chunks, owner, 60.0)
+        ticket, refs, stored, persist, chain_ns = self.channel.call("reserve", chunks, owner, 60.0)
         if any(ref is None and not held for ref, held in zip(refs, stored)):
             if ticket is not None:
                 self.channel.call("abort", ticket, [])
@@ -155,7 +155,10 @@ class ForwardingStore:
                 if not self._region(region).copy_in(offset, length, rec.key, rec.payload):
                     raise KVStoreError(f"room for chunk {rec.key.hex()} does not match it")
             if persist and self.nvme is not None:
-                written = self._persist([rec for rec, _ in roomed])
+                # under the namespace the store files each chunk in: its chain's
+                written = self._persist(
+                    [dataclasses.replace(rec, ns=chain_ns[rec.key]) for rec, _ in roomed]
+                )
         except BaseException:
             self.channel.call("abort", ticket, [rec.key for rec, _ in roomed])
             raise

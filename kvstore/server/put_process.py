@@ -4,8 +4,8 @@ Offers ``PutProcess(store, spec, on_port)`` with ``start()`` and ``stop()``. The
 process (``python -m kvstore.server.put_worker``) serves ``Put`` on a port of its own,
 so that the receipt, checksums, copies, compression and LMDB writes of a put stream run
 outside the store's process and its lookups do not queue behind them (issue 9). It calls
-back over a private channel (a Unix socket in a fresh 0700 directory, authenticated by a
-random key the child reads from its stdin) for room (``reserve_shm``), to commit, to give
+back over a private channel (an abstract Unix socket, authenticated by a random key the
+child reads from its stdin) for room (``reserve_shm``), to commit, to give
 room back and, for batches it cannot place, for a plain ``put``.
 
 ``on_port(port)`` hears the put process's gRPC port once it serves and ``None`` whenever
@@ -23,10 +23,8 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -47,9 +45,9 @@ class PutProcess:
         self.store = store
         self.spec = spec  # what the child needs: see put_worker.main
         self._on_port = on_port
-        self._dir = tempfile.mkdtemp(prefix="kvstore-put-")  # 0700: only this user
         self._key = os.urandom(32)
-        self._address = os.path.join(self._dir, "channel")
+        # an abstract socket: no file to leave behind; only a holder of the key gets in
+        self._address = "\0kvstore-put-" + os.urandom(8).hex()
         self._listener = Listener(self._address, "AF_UNIX", authkey=self._key)
         self._live: int | None = None  # the generation now running
         self._generation = 0
@@ -81,7 +79,6 @@ class PutProcess:
             _end(proc)
         self._threads[1].join(timeout=30)
         self._listener.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
 
     # -- the child's life ---------------------------------------------------------------
 
@@ -109,6 +106,9 @@ class PutProcess:
                     self._on_port(port)
                 rc = proc.wait()
                 self._on_port(None)
+                for pipe in (proc.stdin, proc.stdout):
+                    with contextlib.suppress(OSError):
+                        pipe.close()
             self._live = None
             reclaimed = self.store.reclaim_worker(gen)
             if self._stopping.is_set():
@@ -136,6 +136,9 @@ class PutProcess:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env={**os.environ, "PYTHONPATH": path},
+            # out of the store's process group: a Ctrl-C or a group-wide signal reaches
+            # the store, which then ends the child's in-flight puts cleanly
+            start_new_session=True,
         )
         spec = dict(self.spec, channel=self._address, authkey=self._key.hex())
         spec["generation"] = generation
@@ -183,7 +186,8 @@ class PutProcess:
                     store.reclaim_worker(gen)  # it died while we reserved: nobody will commit
                     raise KVStoreError("the put process is restarting")
                 refs = [None if r is None else (r.region, r.offset, r.length) for r in refs]
-                return ("ok", (ticket, refs, stored, store.persists_for_worker()))
+                chain_ns = store.reserved_namespaces(ticket) if ticket is not None else {}
+                return ("ok", (ticket, refs, stored, store.persists_for_worker(), chain_ns))
             if kind == "commit":
                 ticket, owner, persisted = args
                 r = store.commit_shm(ticket, owner, worker=gen, persisted=persisted)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 from concurrent import futures
@@ -30,6 +31,8 @@ log = logging.getLogger("kvstore.put_process")
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s put-process %(message)s")
+    # the store decides when this process stops (it closes our stdin), not a Ctrl-C
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec = json.loads(sys.stdin.readline())
     channel = StoreChannel(spec["channel"], bytes.fromhex(spec["authkey"]), spec["generation"])
     nvme = None

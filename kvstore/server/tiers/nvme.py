@@ -132,7 +132,7 @@ class NvmeTier:
         if self.read_only:
             log.warning("nvme tier: %s is read-only: serving its chunks, refusing puts", path)
             map_size = map_size or AUTO_MAP_SIZE  # the file's own size wins if larger
-        else:
+        elif lock_dir:  # else the store that holds the lock sized and checked it
             map_size = fit_map_size(path, map_size)
             _check_disk_room(path, map_size)
         self.capacity_bytes = map_size
