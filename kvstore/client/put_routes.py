@@ -26,6 +26,9 @@ from kvstore.rpc.pb import SERVICE, pb
 REASK_S = 10.0
 # The longest a Routes question may hold up the put that asks it.
 ASK_TIMEOUT_S = 2.0
+# The longest a put waits for a first connection to the put port before going to the
+# store instead (again at most once per REASK_S while the port stays unreachable).
+CONNECT_WAIT_S = 0.5
 # A routed Put that fails with these never reached a put process that could take it (down,
 # restarting, gone, or a port that serves no Put): the client sends it to the store's own
 # Put. A deadline is not among them: the put's time is spent either way.
@@ -67,6 +70,7 @@ class PutRoutes:
         self._next_ask = 0.0  # time.monotonic() from which a put may ask again
         self._asking = False  # one question at a time; puts meanwhile go to the store
         self._puts: dict[int, tuple[grpc.Channel, grpc.StreamUnaryMultiCallable]] = {}
+        self._connected: set[int] = set()  # ports whose channel has been up since it failed
         self._closed = False
 
     def route(self, timeout_s: float) -> tuple[int, grpc.StreamUnaryMultiCallable] | None:
@@ -91,11 +95,25 @@ class PutRoutes:
                 ch = self._open_channel(address)
                 put = ch.stream_unary(f"/{SERVICE}/Put", None, pb.PutResponse.FromString)
                 self._puts[port] = (ch, put)
-            return port, self._puts[port][1]
+            ch, put = self._puts[port]
+            if port in self._connected:
+                return port, put
+        # A put port nobody can reach (a firewall that drops, a port forward of the store's
+        # port only) would hold a put in CONNECTING until its deadline, which is no reason
+        # to fall back: route only over a connection that is up.
+        try:
+            grpc.channel_ready_future(ch).result(timeout=min(timeout_s, CONNECT_WAIT_S))
+        except (grpc.FutureTimeoutError, ValueError):  # ValueError: closed meanwhile
+            self.failed(port)
+            return None
+        with self._lock:
+            self._connected.add(port)
+        return port, put
 
     def failed(self, port: int) -> None:
         """A put could not reach ``port``: puts go to the store until the next question."""
         with self._lock:
+            self._connected.discard(port)
             if self._port == port:
                 self._port = 0
                 self._next_ask = time.monotonic() + REASK_S

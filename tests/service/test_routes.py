@@ -9,6 +9,7 @@ own metrics (``kvstore_rpc_total``) say which one a call reached.
 
 from __future__ import annotations
 
+import socket
 import tempfile
 import threading
 import time
@@ -210,6 +211,24 @@ class _Without(grpc.GenericRpcHandler):
             self.asked += 1
             return None
         return self.handler.service(handler_call_details)
+
+
+def test_a_put_port_that_never_answers_costs_a_short_put_only_a_moment(store):
+    """A put port whose connection never comes up (a firewall that drops, a port forward of
+    the store's port only) must not hold a put until its deadline: a put with less time
+    than gRPC's connect timeout once failed DEADLINE_EXCEEDED there and went nowhere."""
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, then never speaks HTTP/2
+    try:
+        store.service.put_port = silent.getsockname()[1]
+        records = chain(3, seed=7)
+        with KVStoreClient(store.served.address, ClientOptions(timeout_s=1.5)) as client:
+            t0 = time.monotonic()
+            assert client.put(records).stored == 3
+            waited = time.monotonic() - t0
+        assert store.calls("Put") == 1 and waited < 1.5  # the store got it, in time
+        assert read_back(store.served, records) == payloads_of(records)
+    finally:
+        silent.close()
 
 
 def test_a_store_older_than_routes_gets_the_puts_and_is_asked_seldom(open_store, bare_server):
