@@ -250,12 +250,29 @@ class Metrics:
             "Bytes of idle put part buffers kept for reuse.",
             registry=self.registry,
         )
+        self._put_process_up = Gauge(
+            "kvstore_put_process_up",
+            "1 while the store's put process serves Put on its own port, else 0.",
+            registry=self.registry,
+        )
+        self._put_process_restarts = Gauge(
+            "kvstore_put_process_restarts",
+            "Times the put process exited and was started again since the store started.",
+            registry=self.registry,
+        )
         self.registry.register(StoreCollector(stats_fn))
 
     def watch_puts(self, inflight_fn: Callable[[], float], pooled_fn: Callable[[], float]) -> None:
         """Export what the service holds for puts, read at each scrape (0 until called)."""
         self._inflight.set_function(inflight_fn)
         self._pooled.set_function(pooled_fn)
+
+    def watch_put_process(
+        self, up_fn: Callable[[], float], restarts_fn: Callable[[], float]
+    ) -> None:
+        """Export the put process's state, read at each scrape (0 until called)."""
+        self._put_process_up.set_function(up_fn)
+        self._put_process_restarts.set_function(restarts_fn)
 
     def observe_rpc(self, method: str, seconds: float, code: str) -> None:
         self._rpc_seconds.labels(method).observe(seconds)

@@ -183,6 +183,8 @@ def test_a_put_process_killed_mid_stream_leaves_nothing_behind_and_is_restarted(
     assert isinstance(outcome[0], Exception) or outcome[0].stored < 6
     new_port = _wait_port(r, old=port)
     assert r.put_process.pid not in (None, old) and r.put_process.restarts == 1
+    scraped = r.server.service.metrics.registry.get_sample_value
+    assert (scraped("kvstore_put_process_up"), scraped("kvstore_put_process_restarts")) == (1, 1)
     # nothing held for the dead process: no room, no claim, nothing in LMDB unindexed
     assert store._tickets == {} and store._claims == {}
     assert _lmdb_orphans(store) == []

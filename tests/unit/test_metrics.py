@@ -27,6 +27,8 @@ EXPORTED = {
     "kvstore_wire_bytes_total": "counter",
     "kvstore_put_inflight_bytes": "gauge",
     "kvstore_put_buffers_pooled_bytes": "gauge",
+    "kvstore_put_process_up": "gauge",
+    "kvstore_put_process_restarts": "gauge",
     "kvstore_tier_capacity_bytes": "gauge",
     "kvstore_tier_used_bytes": "gauge",
     "kvstore_tier_chunks": "gauge",
