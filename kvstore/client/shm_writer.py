@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import mmap
-import os
 import time
 from collections.abc import Sequence
 
@@ -22,10 +20,10 @@ import numpy as np
 
 from kvstore.core import bulk_copy
 from kvstore.core.lanes import spread
+from kvstore.core.regions import map_region
 from kvstore.core.types import KEY_BYTES, ChunkRecord, KVStoreError, PutResult
 from kvstore.rpc.pb import pb
 
-SHM_DIR = "/dev/shm"
 PIECE = 4 << 20  # a large chunk's copy is split so that it too can use several cores
 TRUSTED_FRACTION = 0.5  # of the reservation's ttl, counted from before it was asked for
 
@@ -34,13 +32,7 @@ class _Region:
     """The store's region, mapped shared and writable (same host, same user)."""
 
     def __init__(self, name: str) -> None:
-        if "/" in name or not name.startswith("kvstore-"):
-            raise OSError(f"not a kvstore region: {name!r}")
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
-        try:
-            self.map = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
+        self.map = map_region(name)
         self.arr = np.frombuffer(self.map, dtype=np.uint8)
 
     def write_all(

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import mmap
 import os
 import threading
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from multiprocessing.connection import Client
 import numpy as np
 
 from kvstore.core.lanes import spread
+from kvstore.core.regions import map_region
 from kvstore.core.types import (
     KEY_BYTES,
     ChunkRecord,
@@ -41,7 +41,6 @@ from kvstore.core.types import (
 from kvstore.server.put_checks import validate_record
 
 log = logging.getLogger("kvstore.put_process")
-SHM_DIR = "/dev/shm"
 COPY_PIECE = 4 << 20  # numpy lets the GIL go for each piece's copy
 _ERRORS = {
     "TierFullError": TierFullError,
@@ -82,13 +81,10 @@ class _Region:
     """The store's DRAM region, mapped shared and writable."""
 
     def __init__(self, name: str) -> None:
-        if "/" in name or not name.startswith("kvstore-"):
-            raise KVStoreError(f"not a kvstore region: {name!r}")
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
         try:
-            self.map = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
+            self.map = map_region(name)
+        except OSError as exc:
+            raise KVStoreError(f"cannot map the store's region {name!r}: {exc}") from exc
         self.arr = np.frombuffer(self.map, dtype=np.uint8)
 
     def copy_in(self, offset: int, length: int, key: bytes, payload) -> bool:
