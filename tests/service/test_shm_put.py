@@ -9,6 +9,7 @@ import time
 import pytest
 
 from kvstore.client import KVStoreClient, shm_writer
+from kvstore.core import regions
 from kvstore.core.types import ChunkRecord, InvalidArgument
 from kvstore.rpc.pb import pb
 from kvstore.server.service_calls import Limits
@@ -124,7 +125,7 @@ def test_a_client_that_cannot_map_the_region_stores_the_right_bytes_over_put(
     earlier, records = chain(3, seed=38), chain(3, seed=39)
     assert client.put(earlier, shm=True).stored == 3
     assert client.delete(keys_of(earlier)) == 3
-    monkeypatch.setattr(shm_writer, "SHM_DIR", str(tmp_path))  # the region is not there
+    monkeypatch.setattr(regions, "SHM_DIR", str(tmp_path))  # the region is not there
     shm_writer.close_region(client)  # nor mapped already from the first put
     result = client.put(records, shm=True)
     assert (result.stored, result.duplicates, result.rejected) == (3, 0, [])
