@@ -234,7 +234,6 @@ class SameHostPuts:
             ]
             with self._lock:
                 self.index.charge(0, -t.charged)
-                self.index.charge(self.last, -t.charged_last)
         mine = frozenset(r.key for r in records)
         try:
             if worker is None:
@@ -250,6 +249,10 @@ class SameHostPuts:
             with self._wlock:
                 tier.unstage([r.key for r in records])  # whatever put did not publish
                 if worker is not None:
+                    # held until put recorded the chunks there: LMDB holds them already,
+                    # and counting them twice for a moment is safe where none would not be
+                    with self._lock:
+                        self.index.charge(self.last, -t.charged_last)
                     self._unclaim(ticket, [k for k in persisted if k in mine])
 
     def abort_shm(self, ticket: int, worker: int, written: Sequence[bytes] = ()) -> None:
