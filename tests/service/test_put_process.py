@@ -17,15 +17,19 @@ import time
 import grpc
 import pytest
 import torch
+import yaml
 
-from kvstore.client import ClientOptions, KVStoreClient
+from kvstore.client import ClientError, ClientOptions, KVStoreClient
 from kvstore.core.types import ChunkRecord
 from kvstore.rpc.pb import SERVICE, pb
+from kvstore.rpc.tls import ClientAuth
 from kvstore.server import app
 from kvstore.server.config import load_config
+from tests.certs import make_pki
 from tests.chunks import chain, keys_of, payloads_of
 from tests.procs import KVSTORE, Served, store_config
 from tests.service.test_real_sizes import FP8_BYTES, llama_chains
+from tests.service.test_security import TOKENS
 
 DIRECT = ClientOptions(timeout_s=60.0)  # for the put process's own port: it has no Routes
 
@@ -234,3 +238,48 @@ def test_a_store_stopped_while_its_put_process_starts_leaves_no_child_behind(tmp
         assert not supervisor.is_alive()
         proc = r.put_process._proc
         assert proc is None or proc.poll() is not None
+
+
+def test_the_put_process_answers_only_to_the_store_s_tenants_over_its_tls(tmp_path):
+    """Its port is as guarded as the store's: TLS with the store's certificate, the
+    store's tenants; a tenant's chunks stay that tenant's, and another tenant putting the
+    same keys gets a refusal, not the first one's chunks overwritten."""
+    pki = make_pki(tmp_path / "pki")
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(
+        yaml.safe_dump(
+            {"tenants": [{"name": n, "tokens": [TOKENS[n]]} for n in ("team-a", "team-b")]}
+        )
+    )
+    r = app.start(
+        _config(
+            tmp_path / "lmdb",
+            **{
+                "server.tls_cert": pki.server_cert,
+                "server.tls_key": pki.server_key,
+                "server.tenants_file": str(tenants),
+            },
+        )
+    )
+    try:
+        port = _wait_port(r)
+
+        def client(address: str, who: str | None) -> KVStoreClient:
+            auth = ClientAuth(ca=pki.ca, token=TOKENS[who] if who else "")
+            return KVStoreClient(address, ClientOptions(timeout_s=30.0, auth=auth))
+
+        records = chain(3, seed=31)
+        with client(f"localhost:{port}", None) as anonymous, pytest.raises(ClientError) as refused:
+            anonymous.put(records)
+        assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
+        store = f"localhost:{r.server.port}"
+        with client(store, "team-a") as a, client(store, "team-b") as b:
+            assert a.put(records).stored == 3
+            assert _put_calls(r) == 0  # it went to the put process, over TLS, with the token
+            theirs = b.put(records)  # the same keys, another tenant
+            assert theirs.stored == 0 and len(theirs.rejected) == 3
+            assert b.lookup(keys_of(records)).matched == 0
+            assert a.lookup(keys_of(records)).matched == 3
+            assert [bytes(p) for p in a.get(keys_of(records))] == payloads_of(records)
+    finally:
+        r.stop()
