@@ -9,6 +9,7 @@ is given (``kvstore.server.config.load_config``) is all it goes by.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -126,7 +127,7 @@ def put_spec(config: Config, store: TieredStore) -> dict:
         "listen": listen,
         "workers": s.workers,
         "max_message_bytes": s.max_message_bytes,
-        "limits": {f: getattr(limits, f) for f in limits.__dataclass_fields__},
+        "limits": dataclasses.asdict(limits),
         "tls": [s.tls_cert, s.tls_key, s.tls_client_ca] if s.tls_cert else None,
         "tenants_file": s.tenants_file,
         "nvme": {
@@ -136,7 +137,7 @@ def put_spec(config: Config, store: TieredStore) -> dict:
             "zstd_level": n.zstd_level,
             "sync": n.sync,
         }
-        if n.enabled and store.tiers[-1].persistent
+        if store.tiers[-1].persistent
         else None,
     }
 

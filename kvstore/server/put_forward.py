@@ -137,7 +137,7 @@ class ForwardingStore:
 
     def _put_checked(self, records: list[ChunkRecord], owner: bytes | None) -> PutResult:
         chunks = [(r.key, r.parent, r.ns, memoryview(r.payload).nbytes) for r in records]
-        ticket, refs, stored, persist, chain_ns = self.channel.call("reserve", chunks, owner, 60.0)
+        ticket, refs, stored, persist, chain_ns = self.channel.call("reserve", chunks, owner)
         if any(ref is None and not held for ref, held in zip(refs, stored)):
             if ticket is not None:
                 self.channel.call("abort", ticket, [])

@@ -180,14 +180,14 @@ class PutProcess:
         try:
             kind, *args = message
             if kind == "reserve":
-                chunks, owner, ttl = args
-                ticket, refs, stored = store.reserve_shm(chunks, ttl, owner, worker=gen)
+                chunks, owner = args  # no ttl: the put process's room never lapses by time
+                ticket, refs, stored = store.reserve_shm(chunks, 0.0, owner, worker=gen)
                 if ticket is not None and self._live != gen:
                     store.reclaim_worker(gen)  # it died while we reserved: nobody will commit
                     raise KVStoreError("the put process is restarting")
                 refs = [None if r is None else (r.region, r.offset, r.length) for r in refs]
                 chain_ns = store.reserved_namespaces(ticket) if ticket is not None else {}
-                return ("ok", (ticket, refs, stored, store.persists_for_worker(), chain_ns))
+                return ("ok", (ticket, refs, stored, store.writes_through(), chain_ns))
             if kind == "commit":
                 ticket, owner, persisted = args
                 r = store.commit_shm(ticket, owner, worker=gen, persisted=persisted)

@@ -13,8 +13,9 @@ trust: its reservations (``worker`` set) also take room in the last tier and cla
 their keys, since it writes them to LMDB itself before it commits (``persisted``) and
 has checked their checksums (``checked``). Its room never lapses by time: it is given
 back by ``abort_shm`` or, when that process died, by ``reclaim_worker``, which also
-deletes what it wrote to the last tier for chunks never committed. A claimed key is
-refused to every other put, so one LMDB key never has two writers.
+deletes what it wrote to the last tier for chunks never committed. Another put of a
+claimed key waits for the claim to end (then is refused if it has not), so one LMDB key
+never has two writers.
 """
 
 from __future__ import annotations
@@ -56,10 +57,6 @@ class SameHostPuts:
         self._claims: dict[bytes, int] = {}  # key -> the put process's ticket writing it
         self._unclaimed = threading.Condition()  # notified whenever claims end
 
-    def persists_for_worker(self) -> bool:
-        """Whether a put process should write the last tier itself (write-through)."""
-        return self._persist and self.write_policy == "write_through" and self.last > 0
-
     def reserve_shm(
         self,
         chunks: Sequence[ShmChunk],
@@ -84,7 +81,7 @@ class SameHostPuts:
         charged = 0
         with self._wlock:
             self._lapse_tickets()
-            persist = worker is not None and self.persists_for_worker()
+            persist = worker is not None and self.writes_through()
             last: list[int] = []
             try:
                 charged = self._stage_all(chunks, owner, staged, refs, stored, worker, last)
@@ -122,7 +119,7 @@ class SameHostPuts:
         ``last``): it writes there before the index counts the bytes."""
         tier = self.tiers[0]
         charged = 0
-        persist = worker is not None and self.persists_for_worker()
+        persist = worker is not None and self.writes_through()
         keep = [c[1] for c in chunks if c[1] is not None]  # parents stay where they are
         chain_ns: dict[bytes, bytes] = {}  # staged here: key -> its chain's namespace
         for key, parent, ns, length in chunks:

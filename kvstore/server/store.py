@@ -38,7 +38,6 @@ from kvstore.core.types import (
     PutResult,
     ShmGrant,
     TierFullError,
-    check_key,
     check_ns,
 )
 from kvstore.server.index import Node, RadixIndex, TierSpec
@@ -148,7 +147,8 @@ class TieredStore(ReadPaths, SameHostPuts):
         other's namespace.
         """
         if checked:
-            verdicts = [(r, self._checked_keys(r)) for r in records]
+            limit = self.max_chunk_bytes
+            verdicts = [(r, validate_record(r, limit, checksum=False)) for r in records]
         else:  # checksums run without the GIL: a large batch is checked on several cores
             verdicts = spread(
                 [functools.partial(self._validate, r) for r in records],
@@ -203,7 +203,7 @@ class TieredStore(ReadPaths, SameHostPuts):
                     continue
                 new.append(rec)
                 stored += 1
-            if self._persist and self.write_policy == "write_through" and self.last > 0:
+            if self.writes_through():
                 lost, why = self._write_behind(new, persisted)
                 for rec in new:
                     if rec.key in lost:  # cached above, but not acknowledged as stored
@@ -218,17 +218,13 @@ class TieredStore(ReadPaths, SameHostPuts):
             raise full
         return PutResult(stored, dups, rejected)
 
+    def writes_through(self) -> bool:
+        """Whether a put persists its chunks in the last tier before it returns (and so
+        whether the put process writes them there itself)."""
+        return self._persist and self.write_policy == "write_through" and self.last > 0
+
     def _validate(self, rec: ChunkRecord) -> tuple[ChunkRecord, tuple[str, str] | None]:
         return rec, validate_record(rec, self.max_chunk_bytes)
-
-    def _checked_keys(self, rec: ChunkRecord) -> tuple[str, str] | None:
-        """What ``validate_record`` checks but the payload's checksum (verified already)."""
-        check_key(rec.key)
-        if rec.parent is not None:
-            check_key(rec.parent, "parent")
-        else:
-            check_ns(rec.ns)
-        return None
 
     def _reject(self, code: str) -> None:
         """Count a refusal under a short, fixed code (a metrics label, so never free text)."""
