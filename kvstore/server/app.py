@@ -99,7 +99,9 @@ def start(config: Config) -> Running:
     puts = None
     if s.put_process and _put_process_fits(config, store):
         service = server.service
-        puts = PutProcess(store, put_spec(config, store), lambda p: setattr(service, "put_port", p))
+        puts = PutProcess(
+            store, put_spec(config, store), lambda p: setattr(service, "put_port", p), metrics
+        )
         metrics.watch_put_process(lambda: float(bool(service.put_port)), lambda: puts.restarts)
         puts.start()
     return Running(server, endpoint, address, puts)

@@ -5,8 +5,9 @@ several servers can live in one process) and offers:
 
 - ``observe_rpc(method, seconds, code)``, ``rejected(reason, n)`` and
   ``bytes_transferred(direction, n)``: events the gRPC service reports as they happen;
-- ``watch_puts(inflight_fn, pooled_fn)``: what the service holds for puts, read at
-  each scrape;
+- ``watch_puts(inflight_fn, pooled_fn)``: what a service holds for puts, read at
+  each scrape (the store's and its put process's, added up);
+- ``put_process_call(code)``: a relayed call was the put process's;
 - ``serve_http(listen)``: the ``/metrics`` endpoint on ``"host:port"`` (port 0 picks
   a free one), returned as a ``MetricsEndpoint`` with ``.port`` and ``.close()``;
 - ``render()``: the exposition text, for tests and ``kvstore stats``.
@@ -31,6 +32,12 @@ Events (updated by the service)
     kvstore_put_inflight_bytes                gauge, put bytes held in flight now
                                               (counted against the per-client limit)
     kvstore_put_buffers_pooled_bytes          gauge, idle part buffers kept for reuse
+    kvstore_put_process_calls_total{code}     Put calls the put process answered
+                                              (``kvstore.server.put_metrics``: its
+                                              calls, refusals and wire bytes are in the
+                                              metrics above, its gauges added in)
+    kvstore_put_process_up                    gauge, 1 while the put process serves
+    kvstore_put_process_restarts              gauge, its restarts since the store started
 Per tier (from TierStats)
     kvstore_tier_capacity_bytes{tier}         gauge
     kvstore_tier_used_bytes{tier}             gauge
@@ -260,12 +267,21 @@ class Metrics:
             "Times the put process exited and was started again since the store started.",
             registry=self.registry,
         )
+        self._put_process_calls = Counter(
+            "kvstore_put_process_calls",
+            "Put calls the put process answered, by gRPC status code (also in kvstore_rpc_*).",
+            ["code"],
+            registry=self.registry,
+        )
+        self._held: list[tuple[Callable[[], float], Callable[[], float]]] = []
+        self._inflight.set_function(lambda: sum(f() for f, _ in self._held))
+        self._pooled.set_function(lambda: sum(f() for _, f in self._held))
         self.registry.register(StoreCollector(stats_fn))
 
     def watch_puts(self, inflight_fn: Callable[[], float], pooled_fn: Callable[[], float]) -> None:
-        """Export what the service holds for puts, read at each scrape (0 until called)."""
-        self._inflight.set_function(inflight_fn)
-        self._pooled.set_function(pooled_fn)
+        """Export what a service holds for puts, read at each scrape: the store's own and
+        its put process's (as last relayed) are added up."""
+        self._held.append((inflight_fn, pooled_fn))
 
     def watch_put_process(
         self, up_fn: Callable[[], float], restarts_fn: Callable[[], float]
@@ -277,6 +293,10 @@ class Metrics:
     def observe_rpc(self, method: str, seconds: float, code: str) -> None:
         self._rpc_seconds.labels(method).observe(seconds)
         self._rpcs.labels(method, code).inc()
+
+    def put_process_call(self, code: str) -> None:
+        """One of the calls ``observe_rpc`` counted was the put process's."""
+        self._put_process_calls.labels(code).inc()
 
     def rejected(self, reason: str, n: int = 1) -> None:
         self._rejected.labels(reason if reason in REJECT_REASONS else OTHER).inc(n)

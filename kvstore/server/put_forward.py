@@ -22,7 +22,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Client
 
 import numpy as np
@@ -107,8 +107,15 @@ class _Region:
 class ForwardingStore:
     """``put`` for the put process's service; see the module docstring."""
 
-    def __init__(self, channel: StoreChannel, nvme, max_chunk_bytes: int | None) -> None:
+    def __init__(
+        self,
+        channel: StoreChannel,
+        nvme,
+        max_chunk_bytes: int | None,
+        refused: Callable[[str], None] = lambda code: None,
+    ) -> None:
         self.channel = channel
+        self._refused = refused  # told the code of each chunk refused here
         self.nvme = nvme  # an NvmeTier on the store's directory (lock_dir=False), or None
         self.max_chunk_bytes = max_chunk_bytes
         self._regions: dict[str, _Region] = {}
@@ -130,6 +137,7 @@ class ForwardingStore:
             else:
                 rejected.append((rec.key, err[1]))
                 refused.add(rec.key)
+                self._refused(err[0])
         if not good:
             return PutResult(0, 0, rejected)
         result = self._put_checked(good, owner)

@@ -6,7 +6,9 @@ so that the receipt, checksums, copies, compression and LMDB writes of a put str
 outside the store's process and its lookups do not queue behind them (issue 9). It calls
 back over a private channel (an abstract Unix socket, authenticated by a random key the
 child reads from its stdin) for room (``reserve_shm``), to commit, to give
-room back and, for batches it cannot place, for a plain ``put``.
+room back, for batches it cannot place, for a plain ``put``, and, at the end of every
+call, with that call's metrics (``kvstore.server.put_metrics``), counted on the store's
+``Metrics`` when one is given.
 
 ``on_port(port)`` hears the put process's gRPC port once it serves and ``None`` whenever
 it stops; the service advertises it to clients (``Routes``), which fall back to the
@@ -31,6 +33,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Listener
 
 from kvstore.core.types import ChunkRecord, KVStoreError
+from kvstore.server.put_metrics import Relayed
 from kvstore.server.store import TieredStore
 
 log = logging.getLogger(__name__)
@@ -40,9 +43,15 @@ MAX_BACKOFF_S = 30.0
 
 class PutProcess:
     def __init__(
-        self, store: TieredStore, spec: dict, on_port: Callable[[int | None], None]
+        self,
+        store: TieredStore,
+        spec: dict,
+        on_port: Callable[[int | None], None],
+        metrics=None,
     ) -> None:
         self.store = store
+        # its calls, refusals and gauges, on the store's Metrics (put_metrics)
+        self._relayed = Relayed(metrics, store) if metrics is not None else None
         self.spec = spec  # what the child needs: see put_worker.main
         self._on_port = on_port
         self._key = os.urandom(32)
@@ -110,6 +119,8 @@ class PutProcess:
                     with contextlib.suppress(OSError):
                         pipe.close()
             self._live = None
+            if self._relayed is not None:
+                self._relayed.ended()
             reclaimed = self.store.reclaim_worker(gen)
             if self._stopping.is_set():
                 return
@@ -195,6 +206,10 @@ class PutProcess:
             if kind == "abort":
                 ticket, written = args
                 store.abort_shm(ticket, gen, written)
+                return ("ok", None)
+            if kind == "metrics":
+                if self._relayed is not None:
+                    self._relayed.apply(args[0], live=self._live == gen)
                 return ("ok", None)
             if kind == "put":
                 records, owner = args

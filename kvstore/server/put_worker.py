@@ -5,6 +5,7 @@ private channel's address and key, its generation, the listen address, TLS and t
 files, the service limits, and the nvme tier's directory when it writes through), serves
 ``Put`` there with the store's own servicer over a ``ForwardingStore``, prints
 ``{"port": N}`` once it listens, and exits when stdin closes: the store stopped or died.
+Its calls' metrics go to the store (``kvstore.server.put_metrics``).
 Every other method answers UNIMPLEMENTED; clients send those to the store.
 """
 
@@ -23,6 +24,7 @@ import grpc
 from kvstore.rpc.tls import server_credentials
 from kvstore.server.auth import Tenants
 from kvstore.server.put_forward import ForwardingStore, StoreChannel
+from kvstore.server.put_metrics import MetricsRelay
 from kvstore.server.service import KVStoreService, Limits
 from kvstore.server.service_handlers import generic_handler
 
@@ -49,9 +51,11 @@ def main() -> int:
             lock_dir=False,  # the store holds the directory's lock and admits us
         )
     limits = Limits(**spec["limits"])
-    store = ForwardingStore(channel, nvme, limits.max_chunk_bytes)
+    # counted on the store's /metrics: sent along at the end of every call
+    relay = MetricsRelay(lambda batch: channel.call("metrics", batch))
+    store = ForwardingStore(channel, nvme, limits.max_chunk_bytes, relay.chunk_refused)
     tenants = Tenants.load(spec["tenants_file"]) if spec.get("tenants_file") else None
-    service = KVStoreService(store, limits, None, tenants)  # type: ignore[arg-type]
+    service = KVStoreService(store, limits, relay, tenants)  # type: ignore[arg-type]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=spec["workers"], thread_name_prefix="kvstore-put"),
         options=[

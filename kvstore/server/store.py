@@ -186,7 +186,7 @@ class TieredStore(ReadPaths, SameHostPuts):
                 if err is not None:
                     rejected.append((rec.key, err[1]))
                     rejected_keys.add(rec.key)
-                    self._reject(err[0])
+                    self.count_rejected(err[0])
                     continue
                 if node is not None:
                     dups += 1
@@ -199,7 +199,7 @@ class TieredStore(ReadPaths, SameHostPuts):
                     full = exc
                     rejected.append((rec.key, f"tiers full: {exc}"))
                     rejected_keys.add(rec.key)
-                    self._reject("tiers_full")
+                    self.count_rejected("tiers_full")
                     continue
                 new.append(rec)
                 stored += 1
@@ -226,9 +226,11 @@ class TieredStore(ReadPaths, SameHostPuts):
     def _validate(self, rec: ChunkRecord) -> tuple[ChunkRecord, tuple[str, str] | None]:
         return rec, validate_record(rec, self.max_chunk_bytes)
 
-    def _reject(self, code: str) -> None:
-        """Count a refusal under a short, fixed code (a metrics label, so never free text)."""
-        self._stats.rejected[code] = self._stats.rejected.get(code, 0) + 1
+    def count_rejected(self, code: str, n: int = 1) -> None:
+        """Count ``n`` chunks refused under a short, fixed code (a metrics label, so never
+        free text): by ``put`` here, or by the put process before they reached the store."""
+        with self._lock:
+            self._stats.rejected[code] = self._stats.rejected.get(code, 0) + n
 
     def _write_behind(
         self, records: list[ChunkRecord], persisted: frozenset[bytes] = frozenset()
@@ -294,7 +296,9 @@ class TieredStore(ReadPaths, SameHostPuts):
         self, batch: list[ChunkRecord], exc: KVStoreError
     ) -> tuple[set[bytes], KVStoreError]:
         log.warning("write-through failed for %d chunks: %s", len(batch), exc)
-        self._reject("write_through_full" if isinstance(exc, TierFullError) else "write_failed")
+        self.count_rejected(
+            "write_through_full" if isinstance(exc, TierFullError) else "write_failed"
+        )
         return {r.key for r in batch}, exc
 
     # ---- reads ---------------------------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore.client import ClientOptions, KVStoreClient
+from kvstore.client import KVStoreClient
 from tests.chunks import chain
 from tests.procs import KVSTORE, Served
 
@@ -59,9 +59,9 @@ def test_serve_stats_explain_metrics_and_graceful_stop(tmp_path):
     try:
         assert cli("ping", "--address", served.address).stdout.strip().endswith("SERVING")
         records = chain(3)
-        # to the store's own Put: the put process (tests/service/test_put_process.py) has
-        # its own port, and its calls are not on the store's /metrics
-        with KVStoreClient(served.address, ClientOptions(route_puts=False)) as client:
+        # served by the store's put process (tests/service/test_put_process.py), whose
+        # calls the store's /metrics counts as its own
+        with KVStoreClient(served.address) as client:
             assert client.put(records).stored == 3
             assert client.lookup([r.key for r in records]).matched == 3
         stats = json.loads(cli("stats", "--json", "--address", served.address).stdout)
@@ -80,6 +80,7 @@ def test_serve_stats_explain_metrics_and_graceful_stop(tmp_path):
         assert metrics[("kvstore_put_chunks_total", ())] == 3
         assert metrics[("kvstore_tier_chunks", (("tier", "dram"),))] == 3
         assert metrics[("kvstore_rpc_total", (("code", "OK"), ("method", "Put")))] == 1
+        assert metrics[("kvstore_put_process_calls_total", (("code", "OK"),))] == 1
         assert metrics[("kvstore_lookup_hit_keys_total", ())] == 3
     finally:
         code, err = served.stop()

@@ -67,13 +67,24 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _scraped(running, name: str, **labels) -> float:
+    return running.server.service.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
 def _put_calls(running) -> int:
+    """Put calls the store served itself: all it counts, less its put process's."""
     text = running.server.service.metrics.render().decode()
-    return sum(
+    every = sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
         if line.startswith("kvstore_rpc_duration_seconds_count") and 'method="Put"' in line
     )
+    theirs = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kvstore_put_process_calls_total")
+    )
+    return round(every - theirs)
 
 
 def _lmdb_orphans(store) -> list[bytes]:
@@ -148,6 +159,41 @@ def test_the_put_process_refuses_a_bad_payload_and_stores_nothing_of_it_or_after
     store = r.server.store
     assert store.lookup(keys_of(records)).matched == 1
     assert [t.chunks for t in store.stats().tiers] == [1, 1] and _lmdb_orphans(store) == []
+
+
+def test_the_put_process_s_calls_refusals_and_bytes_are_on_the_store_s_metrics(running):
+    r = running()
+    port = _wait_port(r)
+    fp8, _ = llama_chains(1, seed=25)
+    good, spoiled = chain(2, seed=26), chain(3, seed=27)
+    body = bytearray(spoiled[1].payload)
+    body[-1] ^= 0xFF  # the checksum catches it; its child is refused as parent_rejected
+    spoiled[1] = ChunkRecord(spoiled[1].key, spoiled[1].parent, spoiled[1].ns, bytes(body))
+    sent = sum(len(x.payload) for x in fp8 + good + spoiled)
+    with KVStoreClient(f"127.0.0.1:{port}", DIRECT) as putter:
+        assert putter.put(fp8).stored == 1  # a real-sized chunk, in parts
+        assert putter.put(good).stored == 2
+        assert putter.put(spoiled).stored == 1
+        # read as soon as each answer is in: a call is reported before it is answered
+        assert _scraped(r, "kvstore_put_process_calls_total", code="OK") == 3
+    assert _scraped(r, "kvstore_rpc_total", method="Put", code="OK") == 3
+    assert _scraped(r, "kvstore_rpc_duration_seconds_count", method="Put") == 3
+    assert _put_calls(r) == 0
+    assert _scraped(r, "kvstore_wire_bytes_total", direction="in") == sent
+    # refused in the put process, before the store saw them: counted as the store's own
+    assert _scraped(r, "kvstore_store_rejected_total", reason="bad_payload") == 1
+    assert _scraped(r, "kvstore_store_rejected_total", reason="parent_rejected") == 1
+    assert r.server.store.stats().rejected == {"bad_payload": 1, "parent_rejected": 1}
+    # its part buffer for the real-sized chunk is kept there for the next put, and shown
+    assert _scraped(r, "kvstore_put_buffers_pooled_bytes") >= FP8_BYTES
+    assert r.server.service.part_buffers.pooled_bytes == 0  # the store's own hold nothing
+    assert _scraped(r, "kvstore_put_inflight_bytes") == 0
+    # a dead put process holds nothing any more; its calls stay counted
+    old = r.put_process.pid
+    os.kill(old, signal.SIGKILL)
+    _wait_port(r, old=port)
+    assert _scraped(r, "kvstore_put_buffers_pooled_bytes") == 0
+    assert _scraped(r, "kvstore_put_process_calls_total", code="OK") == 3
 
 
 def test_only_put_is_served_there(running):

@@ -29,6 +29,7 @@ EXPORTED = {
     "kvstore_put_buffers_pooled_bytes": "gauge",
     "kvstore_put_process_up": "gauge",
     "kvstore_put_process_restarts": "gauge",
+    "kvstore_put_process_calls_total": "counter",
     "kvstore_tier_capacity_bytes": "gauge",
     "kvstore_tier_used_bytes": "gauge",
     "kvstore_tier_chunks": "gauge",
@@ -238,8 +239,8 @@ def _is_str(node: ast.AST) -> bool:
 
 def _reason_codes(path: Path) -> set[str]:
     """The reason codes a module passes to the metrics: the string argument of each
-    ``_Abort``/``QuotaExceeded``/``_reject`` call, the codes of ``_CODES``, and the first
-    field of the store's ``(code, message)`` rejections."""
+    ``_Abort``/``QuotaExceeded``/``_reject``/``count_rejected`` call, the codes of
+    ``_CODES``, and the first field of the store's ``(code, message)`` rejections."""
     found: set[str] = set()
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
@@ -251,7 +252,7 @@ def _reason_codes(path: Path) -> set[str]:
             )
             if fn in ("Abort", "QuotaExceeded") and isinstance(node.args[-1], ast.Constant):
                 found.add(node.args[-1].value)
-            elif fn == "_reject":
+            elif fn in ("_reject", "count_rejected"):
                 found |= {c.value for c in ast.walk(node.args[0]) if _is_str(c)}
         elif isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "_CODES":
             found |= {t.elts[2].value for t in node.value.elts}
