@@ -5,9 +5,10 @@ chunk stacks layers into ``[layers, kv_heads, tokens, head_dim]``.
 
 Offers:
 
-- ``PagedLayout``: the protocol. ``gather(kv_layer, block_ids) -> (k, v)`` copies the given
-  blocks out of one layer's cache, in order, as ``[kv_heads, len(block_ids) * block_size,
-  head_dim]``; ``scatter(kv_layer, block_ids, k, v)`` writes such tensors back in place.
+- ``PagedLayout``: the protocol. ``gather(kv_layer, block_ids, out=None) -> (k, v)`` copies
+  the given blocks out of one layer's cache, in order, as ``[kv_heads, len(block_ids) *
+  block_size, head_dim]`` (into ``out``'s two contiguous tensors when given: a chunk's
+  stacked layers, say); ``scatter(kv_layer, block_ids, k, v)`` writes such tensors back in place.
   Both are vectorized: one ``index_select`` / ``index_copy_`` over the cache's block dim and
   one reorder of just those blocks; the caller loops over layers.
 - ``CpuLayout(block_size, head_dim, amx)``: vLLM's CPU attention backend (``CPU_ATTN``).
@@ -61,7 +62,9 @@ class PagedLayout(Protocol):
 
     block_size: int
 
-    def gather(self, kv_layer: Tensor, block_ids: BlockIds) -> tuple[Tensor, Tensor]: ...
+    def gather(
+        self, kv_layer: Tensor, block_ids: BlockIds, out: tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]: ...
 
     def scatter(self, kv_layer: Tensor, block_ids: BlockIds, k: Tensor, v: Tensor) -> None: ...
 
@@ -126,14 +129,27 @@ class _BlockViews:
     def _head_dim(self, kv_layer: Tensor) -> int:
         raise NotImplementedError
 
-    def gather(self, kv_layer: Tensor, block_ids: BlockIds) -> tuple[Tensor, Tensor]:
+    def gather(
+        self, kv_layer: Tensor, block_ids: BlockIds, out: tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
         ids = kernel_block_ids(kv_layer, block_ids, self.block_size)
         heads, tokens = kv_layer.shape[1], ids.numel() * kv_layer.shape[2]
         d = self._head_dim(kv_layer)
         k_view, v_view = self._views(kv_layer.index_select(0, ids))  # a copy of those blocks
-        k = k_view.reshape(heads, tokens, d).contiguous()
-        v = v_view.reshape(heads, tokens, d).contiguous()
-        return k, v
+        if out is None:
+            out = tuple(
+                torch.empty((heads, tokens, d), dtype=kv_layer.dtype, device=kv_layer.device)
+                for _ in range(2)
+            )
+        for dest, view in zip(out, (k_view, v_view), strict=True):
+            if tuple(dest.shape) != (heads, tokens, d) or not dest.is_contiguous():
+                raise ValueError(
+                    f"gather writes contiguous [{heads}, {tokens}, {d}] K and V, "
+                    f"got {list(dest.shape)}"
+                )
+            # the view's dims run token-major then head_dim: the canonical order, reshaped
+            dest.view(view.shape).copy_(view)
+        return out
 
     def scatter(self, kv_layer: Tensor, block_ids: BlockIds, k: Tensor, v: Tensor) -> None:
         tokens = len(block_ids) * self.block_size

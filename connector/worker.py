@@ -608,14 +608,27 @@ class WorkerHalf:
                 return
             blocks = spec.block_ids[j * bpc : (j + 1) * bpc]
             try:
-                ks, vs = zip(*(self._layout.gather(cache, blocks) for cache in self._layers))
+                k, v = self._gather_chunk(blocks)
             except Exception:
                 with self._idle:
                     self._queued_bytes -= chunk_bytes
                 raise
             # the copies are the connector's now; encoding and sending can wait for the thread
-            out.append(_Chunk(spec.req_id, key, parent, torch.stack(ks), torch.stack(vs), root))
+            out.append(_Chunk(spec.req_id, key, parent, k, v, root))
             parent = key
+
+    def _gather_chunk(self, blocks) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chunk's K and V, ``[layers, H, T, D]``, each layer copied out of the cache
+        straight into its place (stacking per-layer copies afterwards copied it all again,
+        on the engine's thread)."""
+        first = self._layers[0]
+        tokens = len(blocks) * self.block_size
+        shape = (len(self._layers), first.shape[1], tokens, self.ns.head_dim)
+        k = torch.empty(shape, dtype=first.dtype, device=first.device)
+        v = torch.empty(shape, dtype=first.dtype, device=first.device)
+        for i, cache in enumerate(self._layers):
+            self._layout.gather(cache, blocks, out=(k[i], v[i]))
+        return k, v
 
     def _chunk_bytes(self) -> int:
         """Bytes of one chunk's copied K and V in the engine's dtype."""

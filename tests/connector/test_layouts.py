@@ -128,6 +128,22 @@ def test_gather_reads_hand_placed_values_in_canonical_order(case):
     assert torch.equal(gv, torch.cat([v[:, 2 * N :], v[:, :N]], dim=1))
 
 
+def test_gather_into_a_chunk_s_stacked_layers_writes_only_its_own_layer(case):
+    layout, dtype, new_cache = case
+    blocks = [3, 1]
+    k, v = counting_kv(len(blocks) * N, dtype)
+    kv = new_cache()
+    ref_write(layout, kv, blocks, k, v)
+    shape = (3, H, len(blocks) * N, D)  # three layers, as a saved chunk stacks them
+    ks, vs = torch.full(shape, 7, dtype=dtype), torch.full(shape, 7, dtype=dtype)
+    got = layout.gather(kv, blocks, out=(ks[1], vs[1]))
+    assert got[0].data_ptr() == ks[1].data_ptr()  # written in place, not copied again
+    assert torch.equal(ks[1], k) and torch.equal(vs[1], v)
+    assert bool((ks[0] == 7).all() and (ks[2] == 7).all() and (vs[2] == 7).all())
+    with pytest.raises(ValueError, match="contiguous"):
+        layout.gather(kv, blocks, out=(ks[1].transpose(0, 1), vs[1]))
+
+
 def test_scatter_writes_what_the_kernel_would(case):
     layout, dtype, new_cache = case
     blocks = [1, 5]
