@@ -6,7 +6,7 @@ several servers can live in one process) and offers:
 - ``observe_rpc(method, seconds, code)``, ``rejected(reason, n)`` and
   ``bytes_transferred(direction, n)``: events the gRPC service reports as they happen;
 - ``watch_puts(inflight_fn, pooled_fn)``: what a service holds for puts, read at
-  each scrape (the store's and its put process's, added up);
+  each scrape (the store's own, and its put process's pooled bytes, added up);
 - ``put_process_call(code)``: a relayed call was the put process's;
 - ``serve_http(listen)``: the ``/metrics`` endpoint on ``"host:port"`` (port 0 picks
   a free one), returned as a ``MetricsEndpoint`` with ``.port`` and ``.close()``;
@@ -35,7 +35,7 @@ Events (updated by the service)
     kvstore_put_process_calls_total{code}     Put calls the put process answered
                                               (``kvstore.server.put_metrics``: its
                                               calls, refusals and wire bytes are in the
-                                              metrics above, its gauges added in)
+                                              metrics above, its pooled bytes added in)
     kvstore_put_process_up                    gauge, 1 while the put process serves
     kvstore_put_process_restarts              gauge, its restarts since the store started
 Per tier (from TierStats)

@@ -57,11 +57,11 @@ class StoreChannel:
         self._local = threading.local()
 
     def call(self, *message):
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = self._local.conn = Client(self.address, "AF_UNIX", authkey=self.authkey)
-            conn.send(("hello", self.generation))
         try:
+            conn = getattr(self._local, "conn", None)
+            if conn is None:
+                conn = self._local.conn = Client(self.address, "AF_UNIX", authkey=self.authkey)
+                conn.send(("hello", self.generation))
             conn.send(message)
             status, *answer = conn.recv()
         except (OSError, EOFError):

@@ -96,6 +96,8 @@ class PutProcess:
         while not self._stopping.is_set():
             self._generation += 1
             gen = self._live = self._generation
+            if self._relayed is not None:
+                self._relayed.started(gen)
             began = time.monotonic()
             rc: int | None = None
             try:
@@ -209,7 +211,7 @@ class PutProcess:
                 return ("ok", None)
             if kind == "metrics":
                 if self._relayed is not None:
-                    self._relayed.apply(args[0], live=self._live == gen)
+                    self._relayed.apply(args[0], gen)
                 return ("ok", None)
             if kind == "put":
                 records, owner = args

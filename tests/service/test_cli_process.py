@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -60,7 +61,12 @@ def test_serve_stats_explain_metrics_and_graceful_stop(tmp_path):
         assert cli("ping", "--address", served.address).stdout.strip().endswith("SERVING")
         records = chain(3)
         # served by the store's put process (tests/service/test_put_process.py), whose
-        # calls the store's /metrics counts as its own
+        # calls the store's /metrics counts as its own; `serve` says it is up before that
+        # child serves, and a put sent before then goes to the store itself
+        deadline = time.monotonic() + 60
+        while scrape(served.metrics_port).get(("kvstore_put_process_up", ())) != 1:
+            assert time.monotonic() < deadline, "the put process never came up"
+            time.sleep(0.05)
         with KVStoreClient(served.address) as client:
             assert client.put(records).stored == 3
             assert client.lookup([r.key for r in records]).matched == 3
