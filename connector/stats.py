@@ -35,7 +35,7 @@ HELP = {
     "load_fetch_seconds": "Of load_seconds, getting the bytes (shared memory or gRPC)",
     "load_decode_seconds": "Of load_seconds, decoding them (the rest is writing the blocks)",
     "saved_bytes": "Payload bytes the store took",
-    "save_seconds": "Seconds spent sending saves (background; the engine does not wait)",
+    "save_seconds": "Seconds spent encoding and sending saves (background: the engine never waits)",
     "load_failures": "Loads that failed or came back short (recomputed)",
     "granted_loads": "Loads read where the scheduler's lookup found them in shared memory",
     "timed_tokens": "Tokens of the forwards the load planner timed (prefill, no load)",

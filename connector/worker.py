@@ -45,6 +45,7 @@ from connector.plan import KVStoreMetadata, LoadSpec, SaveSpec
 from connector.planner import MIN_STEP_TOKENS
 from kvstore.client.grpc_client import ShmViews
 from kvstore.client.shards import ShardedClient, connect
+from kvstore.client.shm_writer import Fill
 from kvstore.core import bulk_copy, codec
 from kvstore.core.fp8_blocks import Fp8Batch
 from kvstore.core.keys import Namespace, part_key
@@ -67,7 +68,7 @@ class WorkerCounters:
     granted_loads: int = 0  # read under the scheduler's lookup's shm handles (no GetShm)
     saved_chunks: int = 0
     saved_bytes: int = 0
-    save_seconds: float = 0.0  # sending (the background thread; the engine never waits)
+    save_seconds: float = 0.0  # encoding and sending (the background thread; never waited for)
     save_skipped: int = 0  # chunks not sent: queue full, or their chain had ended before
     save_failures: int = 0  # chunks that failed to copy, encode or send, or were refused
     chains_ended: int = 0  # requests whose chain ended before its last chunk
@@ -681,7 +682,10 @@ class WorkerHalf:
                     self._idle.notify_all()
 
     def _send(self, chunks: list[_Chunk]) -> None:
-        records, owners, roots = [], {}, {}
+        records: list[ChunkRecord | Fill] = []
+        owners, roots = {}, {}
+        name, same_host = self.config.codec, self.config.same_host
+        t0 = time.perf_counter()
         for c in chunks:
             with self._idle:
                 failed = c.req_id in self._send_failed
@@ -689,7 +693,10 @@ class WorkerHalf:
                 self._count("save_skipped", 1)
                 continue
             try:
-                payload = codec.encode(c.k, c.v, self.config.codec)
+                # same host: encoded straight into the store's shared memory, where it is
+                # kept (no buffer of its own to fault in, fill and copy out again)
+                length = codec.payload_len(c.k, c.v, name) if same_host else 0
+                payload = None if same_host else codec.encode(c.k, c.v, name)
             except Exception as exc:
                 self._log_once("encode", "kvstore could not encode a chunk: %r", exc)
                 self._count("save_failures", 1)
@@ -697,16 +704,19 @@ class WorkerHalf:
                 continue
             key = part_key(c.key, self.rank, self.tp)
             parent = part_key(c.parent, self.rank, self.tp) if c.parent else None
-            records.append(ChunkRecord(key, parent, self.ns_digest, payload))
+            if payload is None:
+                encode = functools.partial(codec.encode, c.k, c.v, name)
+                records.append(Fill(key, parent, self.ns_digest, length, encode))
+            else:
+                records.append(ChunkRecord(key, parent, self.ns_digest, payload))
             owners[key] = c.req_id
             roots[key] = part_key(c.root, self.rank, self.tp)
         if not records:
             return
-        t0 = time.perf_counter()
         try:
             kw = {"root": roots} if isinstance(self.client, ShardedClient) else {}
             result = self.client.put(
-                records, timeout_s=self.config.save_timeout_s, shm=self.config.same_host, **kw
+                records, timeout_s=self.config.save_timeout_s, shm=same_host, **kw
             )
         except Exception as exc:
             self._log_once("put", "kvstore save failed (chunks dropped): %s", exc)
@@ -719,7 +729,11 @@ class WorkerHalf:
         refused = {key for key, _ in result.rejected}
         self._count(
             "saved_bytes",
-            sum(memoryview(r.payload).nbytes for r in records if r.key not in refused),
+            sum(
+                r.length if isinstance(r, Fill) else memoryview(r.payload).nbytes
+                for r in records
+                if r.key not in refused
+            ),
         )
         if result.rejected:
             self._count("save_failures", len(result.rejected))

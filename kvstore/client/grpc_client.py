@@ -547,7 +547,9 @@ class KVStoreClient:
         self, records: Sequence[ChunkRecord], timeout_s: float | None = None, *, shm: bool = False
     ) -> PutResult:
         """Store chunks, parents first. With ``shm`` (same host only) the payloads are
-        copied straight into the store's shared memory (``kvstore.client.shm_writer``).
+        copied straight into the store's shared memory (``kvstore.client.shm_writer``), or
+        written there by a record that is a ``shm_writer.Fill``; without, a ``Fill`` writes
+        its payload into a buffer first.
 
         Otherwise they go to the store's put process when it has one, and to the store
         itself when it has none or the put process cannot be reached; all within one
@@ -556,6 +558,8 @@ class KVStoreClient:
             from kvstore.client.shm_writer import put_same_host
 
             return put_same_host(self, records, timeout_s)
+        if not all(isinstance(r, ChunkRecord) for r in records):
+            records = [r if isinstance(r, ChunkRecord) else r.record() for r in records]
         batches = _batches(records, self.options.put_batch_bytes)
         timeout = timeout_s if timeout_s is not None else self.options.timeout_s
         deadline = time.monotonic() + timeout

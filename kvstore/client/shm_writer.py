@@ -1,19 +1,23 @@
 """Same-host puts, client side: ask the store for room in its shared memory, copy each
-payload straight into it, commit. Offers ``put_same_host(client, records)``.
+payload straight into it, commit. Offers ``put_same_host(client, records)`` and ``Fill``.
 
 One copy, from the caller's buffer into the store's region, instead of encoding,
-sending, receiving and copying every byte. Chunks the store gives no room to (its
-shared memory is full or fragmented, or shared memory is not offered) go over the
-ordinary Put; chunks it already holds are not sent at all. Never writes outside the
-room the store gave, and never writes a room whose key does not match the chunk.
+sending, receiving and copying every byte; none for a ``Fill``, whose payload is written
+straight into its room by its own ``write`` (an encoder, say). Chunks the store gives no
+room to (its shared memory is full or fragmented, or shared memory is not offered) go
+over the ordinary Put; chunks it already holds are not sent at all (nor written, for a
+``Fill``). Never writes outside the room the store gave, and never writes a room whose
+key does not match the chunk.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -24,8 +28,32 @@ from kvstore.core.regions import map_region
 from kvstore.core.types import KEY_BYTES, ChunkRecord, KVStoreError, PutResult
 from kvstore.rpc.pb import pb
 
+log = logging.getLogger(__name__)
 PIECE = 4 << 20  # a large chunk's copy is split so that it too can use several cores
 TRUSTED_FRACTION = 0.5  # of the reservation's ttl, counted from before it was asked for
+
+
+@dataclass(frozen=True, slots=True)
+class Fill:
+    """A chunk whose payload is written where it is to be kept: ``write(out)`` fills
+    ``out``, a writable buffer of exactly ``length`` bytes, with the whole payload (header
+    and checksum included). Put with ``KVStoreClient.put`` like a ``ChunkRecord``."""
+
+    key: bytes
+    parent: bytes | None
+    ns: bytes | None
+    length: int
+    write: Callable[[memoryview], object]
+
+    def record(self) -> ChunkRecord:
+        """The chunk with its payload in a buffer of its own (for a chunk given no room)."""
+        out = memoryview(np.empty(self.length, dtype=np.uint8))
+        self.write(out)
+        return ChunkRecord(self.key, self.parent, self.ns, out)
+
+
+def _length(r: ChunkRecord | Fill) -> int:
+    return r.length if isinstance(r, Fill) else memoryview(r.payload).nbytes
 
 
 class _Region:
@@ -36,27 +64,35 @@ class _Region:
         self.arr = np.frombuffer(self.map, dtype=np.uint8)
 
     def write_all(
-        self, rooms: Sequence[tuple[pb.ShmHandle, bytes, object]], until: float
+        self, rooms: Sequence[tuple[pb.ShmHandle, ChunkRecord | Fill]], until: float
     ) -> list[bool]:
-        """Copy each ``(handle, key, payload)`` into its room; False for a room that does
-        not fit the payload or holds another key (nothing is written there), or whose copy
-        was not finished before ``until`` (``time.monotonic``): after that the room may
-        be another chunk's, so no piece is started. The copies go in pieces of at most
-        ``PIECE`` bytes, spread over the host's cores, streamed where the batch is large
-        (``bulk_copy``)."""
+        """Write each ``(handle, record)``'s payload into its room; False for a room that
+        does not fit the payload or holds another key (nothing is written there), whose
+        write was not finished before ``until`` (``time.monotonic``: after that the room
+        may be another chunk's, so no write is started), or whose ``Fill`` failed. A
+        ``Fill`` writes its own room, one after the other; the copies go in pieces of at
+        most ``PIECE`` bytes, spread over the host's cores, streamed where the batch is
+        large (``bulk_copy``)."""
         ok: list[bool] = []
         pieces: list[tuple[int, np.ndarray, np.ndarray]] = []
-        for handle, key, payload in rooms:
-            src = np.frombuffer(payload, dtype=np.uint8)  # any C-contiguous buffer
+        fills: list[tuple[int, Fill, np.ndarray]] = []
+        for handle, rec in rooms:
             start, end = handle.offset, handle.offset + handle.length
-            fits = start >= KEY_BYTES and end <= self.arr.nbytes and src.nbytes == handle.length
-            ok.append(fits and self.arr[start - KEY_BYTES : start].tobytes() == key)
-            if ok[-1]:
-                dest = self.arr[start:end]
-                pieces += [
-                    (len(ok) - 1, dest[i : i + PIECE], src[i : i + PIECE])
-                    for i in range(0, src.nbytes, PIECE)
-                ]
+            fits = start >= KEY_BYTES and end <= self.arr.nbytes and _length(rec) == handle.length
+            ok.append(fits and self.arr[start - KEY_BYTES : start].tobytes() == rec.key)
+            if not ok[-1]:
+                continue
+            dest = self.arr[start:end]
+            if isinstance(rec, Fill):
+                fills.append((len(ok) - 1, rec, dest))
+                continue
+            src = np.frombuffer(rec.payload, dtype=np.uint8)  # any C-contiguous buffer
+            pieces += [
+                (len(ok) - 1, dest[i : i + PIECE], src[i : i + PIECE])
+                for i in range(0, src.nbytes, PIECE)
+            ]
+        for room, fill, dest in fills:
+            ok[room] = _fill_before(fill, dest, until)
         copy = bulk_copy.copier(sum(s.nbytes for _, _, s in pieces))
         done = spread(
             [functools.partial(_copy_before, copy, d, s, until) for _, d, s in pieces],
@@ -70,6 +106,20 @@ class _Region:
         self.arr = None
         with contextlib.suppress(BufferError):  # a view still alive: the mapping goes with it
             self.map.close()
+
+
+def _fill_before(fill: Fill, dest: np.ndarray, until: float) -> bool:
+    """Whether ``fill`` wrote its whole payload into ``dest`` in time; one that raised is
+    not (its room is refused at the commit, and the chunk is put over the wire, where the
+    same error is raised to the caller)."""
+    if time.monotonic() >= until:
+        return False
+    try:
+        fill.write(memoryview(dest))
+    except Exception:
+        log.debug("filling the room of chunk %s failed", fill.key.hex(), exc_info=True)
+        return False
+    return time.monotonic() < until
 
 
 def _copy_before(copy: bulk_copy.Copy, dest: np.ndarray, src: np.ndarray, until: float) -> bool:
@@ -99,7 +149,9 @@ def close_region(client) -> None:
         cached[1].close()
 
 
-def put_same_host(client, records: Sequence[ChunkRecord], timeout_s: float | None) -> PutResult:
+def put_same_host(
+    client, records: Sequence[ChunkRecord | Fill], timeout_s: float | None
+) -> PutResult:
     """Put ``records`` (parents first) through the store's shared memory where it gives
     room, then send every chunk the commit did not store over ``Put``, in order.
 
@@ -116,7 +168,7 @@ def put_same_host(client, records: Sequence[ChunkRecord], timeout_s: float | Non
                 key=r.key,
                 parent=r.parent or b"",
                 namespace=r.ns or b"",
-                length=memoryview(r.payload).nbytes,
+                length=_length(r),
             )
             for r in records
         ]
@@ -133,7 +185,7 @@ def put_same_host(client, records: Sequence[ChunkRecord], timeout_s: float | Non
         roomed = [(r, h) for r, h in zip(records, grant.handles, strict=True) if h.region]
         try:
             region = _region(client, roomed[0][1].region)
-            done = region.write_all([(h, r.key, r.payload) for r, h in roomed], until)
+            done = region.write_all([(h, r) for r, h in roomed], until)
         except OSError:
             done = [False] * len(roomed)
             close_region(client)
@@ -153,5 +205,5 @@ def put_same_host(client, records: Sequence[ChunkRecord], timeout_s: float | Non
     by_wire = [r for r in records if r.key not in held and r.key not in committed]
     if not by_wire:
         return PutResult(stored, dups, [])
-    rest = client.put(by_wire, timeout_s)
+    rest = client.put([r.record() if isinstance(r, Fill) else r for r in by_wire], timeout_s)
     return PutResult(stored + rest.stored, dups + rest.duplicates, rest.rejected)

@@ -1,6 +1,7 @@
 """Encode K/V tensors in the canonical layout to chunk payloads and back (torch).
 
-Offers ``encode(k, v, codec)``, ``decode(payload, device=None)``, ``decode_many(payloads)``
+Offers ``encode(k, v, codec, out=None)`` (into ``out`` when given: ``payload_len`` bytes),
+``decode(payload, device=None)``, ``decode_many(payloads)``
 (a load's chunks, fp8 dequantised in one call; its checksums may be left to
 ``checked_prefix(payloads)``, run alongside) and ``compile_kernels(shape, dtype)``
 (fast fp8 kernels, warmed once: the C loops of ``fp8_cpu`` for CPU tensors, fused with
@@ -152,19 +153,38 @@ def quantize_fp8(x: torch.Tensor, reduce_dim: int) -> tuple[torch.Tensor, torch.
     return _Kernels.quantize(x, reduce_dim)
 
 
-def _new_payload(nbytes: int) -> memoryview:
+def _new_payload(nbytes: int, out=None) -> memoryview:
     """Room for a payload the encoder fills whole (the body by the encoder, the header by
-    ``seal_payload``): not zeroed first, unlike a ``bytearray``, whose memset of a 4 MiB
-    chunk cost 0.18 ms of a 1.8 ms fp8 encode here."""
-    return memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy())
+    ``seal_payload``): ``out`` when given (exactly ``nbytes``, writable), else a buffer of
+    its own, not zeroed first, unlike a ``bytearray``, whose memset of a 4 MiB chunk cost
+    0.18 ms of a 1.8 ms fp8 encode here."""
+    if out is None:
+        return memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy())
+    room = memoryview(out).cast("B")
+    if room.readonly or room.nbytes != nbytes:
+        raise InvalidArgument(
+            f"encode needs a writable buffer of exactly {nbytes} bytes for this payload, "
+            f"got {room.nbytes}{' read-only' if room.readonly else ''}"
+        )
+    return room
 
 
-def encode(k: torch.Tensor, v: torch.Tensor, codec: str) -> memoryview:
-    """One chunk part as a payload (header + body), a writable buffer of its own."""
+def payload_len(k: torch.Tensor, v: torch.Tensor, codec: str) -> int:
+    """Bytes of the payload ``encode(k, v, codec)`` makes, header included."""
+    src = _check_kv(k, v)
+    if codec not in ("raw", "fp8"):
+        raise InvalidArgument(f"unknown codec {codec!r}; expected 'raw' or 'fp8'")
+    return HEADER_BYTES + expected_body_len(codec, src, k.shape)
+
+
+def encode(k: torch.Tensor, v: torch.Tensor, codec: str, out=None) -> memoryview:
+    """One chunk part as a payload (header + body): a writable buffer of its own, or
+    written into ``out`` (a writable buffer of exactly ``payload_len`` bytes: a store's
+    shared-memory room, say, so that the payload is written once, where it is kept)."""
     src = _check_kv(k, v)
     header = ChunkHeader(codec, src, *k.shape, body_len=expected_body_len(codec, src, k.shape))
     if codec == "fp8" and _Kernels.native and fp8_cpu.usable(k, v):
-        return _encode_fp8_native(k, v, header)
+        return _encode_fp8_native(k, v, header, out)
     if codec == "raw":
         parts = [k, v]
     elif codec == "fp8":
@@ -173,7 +193,7 @@ def encode(k: torch.Tensor, v: torch.Tensor, codec: str) -> memoryview:
         parts = [k_codes, v_codes, k_scale, v_scale]
     else:
         raise InvalidArgument(f"unknown codec {codec!r}; expected 'raw' or 'fp8'")
-    out = _new_payload(HEADER_BYTES + header.body_len)
+    out = _new_payload(HEADER_BYTES + header.body_len, out)
     body = torch.frombuffer(out, dtype=torch.uint8)[HEADER_BYTES:]
     at = 0
     for part in parts:  # each part copied once, straight into the payload
@@ -196,9 +216,11 @@ def _fp8_parts(body: torch.Tensor, shape) -> tuple[torch.Tensor, ...]:
     )
 
 
-def _encode_fp8_native(k: torch.Tensor, v: torch.Tensor, header: ChunkHeader) -> memoryview:
+def _encode_fp8_native(
+    k: torch.Tensor, v: torch.Tensor, header: ChunkHeader, out=None
+) -> memoryview:
     """fp8 through the C loops, codes and scales written straight into the payload."""
-    out = _new_payload(HEADER_BYTES + header.body_len)
+    out = _new_payload(HEADER_BYTES + header.body_len, out)
     k_codes, v_codes, k_scale, v_scale = _fp8_parts(
         torch.frombuffer(out, dtype=torch.uint8)[HEADER_BYTES:], k.shape
     )
@@ -401,5 +423,6 @@ __all__ = [
     "checked_prefix",
     "dtype_name",
     "encode",
+    "payload_len",
     "quantize_fp8",
 ]

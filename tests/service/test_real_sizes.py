@@ -9,9 +9,12 @@ reopened on the same LMDB, whose chunks sit only in LMDB.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvstore.client import ClientOptions, KVStoreClient
+from kvstore.client.shm_writer import Fill
 from kvstore.core import codec
 from kvstore.core.keys import Namespace, chunk_keys
 from kvstore.core.types import ChunkRecord
@@ -29,22 +32,55 @@ FP8_BYTES = 17_170_468
 BF16_BYTES = 32 * 2**20 + codec.HEADER_BYTES
 
 
-def llama_chains(n: int, seed: int) -> tuple[list[ChunkRecord], list[ChunkRecord]]:
-    """The same ``n`` chunks of one prompt's K/V, encoded fp8 and raw bf16 in their own
-    namespaces: same tokens, different keys."""
+def _llama_kv(n: int, seed: int):
+    """``n`` chunks of one prompt: each chunk's K and V (bf16), and for the fp8 and the
+    raw namespace, the namespace's digest and the chunks' keys."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 128_000, (n * LLAMA3_8B["chunk_tokens"],), generator=g).tolist()
     shape = (32, 8, LLAMA3_8B["chunk_tokens"], 128)
-    chains: tuple[list[ChunkRecord], list[ChunkRecord]] = ([], [])
-    digests = (FP8.digest(), BF16.digest())
-    keys = [chunk_keys(d, tokens, LLAMA3_8B["chunk_tokens"]) for d in digests]
-    for i in range(n):
+    kv = []
+    for _ in range(n):  # K, then V, chunk by chunk: the generator's order is the data
         k = torch.randn(shape, generator=g).to(torch.bfloat16)
         v = torch.randn(shape, generator=g).to(torch.bfloat16)
-        for records, name, ks, digest in zip(chains, ("fp8", "raw"), keys, digests):
-            parent = ks[i - 1] if i else None
-            records.append(ChunkRecord(ks[i], parent, digest, bytes(codec.encode(k, v, name))))
-    return chains
+        kv.append((k, v))
+    spaces = [
+        (name, d.digest(), chunk_keys(d.digest(), tokens, LLAMA3_8B["chunk_tokens"]))
+        for name, d in (("fp8", FP8), ("raw", BF16))
+    ]
+    return kv, spaces
+
+
+def llama_chains(n: int, seed: int) -> tuple[list[ChunkRecord], list[ChunkRecord]]:
+    """The same ``n`` chunks of one prompt's K/V, encoded fp8 and raw bf16 in their own
+    namespaces: same tokens, different keys."""
+    kv, spaces = _llama_kv(n, seed)
+    fp8, raw = (
+        [
+            ChunkRecord(ks[i], ks[i - 1] if i else None, digest, bytes(codec.encode(k, v, name)))
+            for i, (k, v) in enumerate(kv)
+        ]
+        for name, digest, ks in spaces
+    )
+    return fp8, raw
+
+
+def llama_fills(n: int, seed: int) -> tuple[list[Fill], list[Fill]]:
+    """``llama_chains``' chunks as ``Fill`` records: each encodes its K/V where it is put."""
+    kv, spaces = _llama_kv(n, seed)
+    fp8, raw = (
+        [
+            Fill(
+                ks[i],
+                ks[i - 1] if i else None,
+                digest,
+                codec.payload_len(k, v, name),
+                functools.partial(codec.encode, k, v, name),
+            )
+            for i, (k, v) in enumerate(kv)
+        ]
+        for name, digest, ks in spaces
+    )
+    return fp8, raw
 
 
 def default_store(lmdb):
@@ -143,3 +179,19 @@ def test_same_host_puts_of_llama3_8b_chunks_land_byte_for_byte(serve, tmp_path):
 
     assert (calls("CommitShm"), calls("Put")) == (3, None)  # all of it over shared memory
     served.server.stop()
+
+
+def test_llama3_8b_chunks_encoded_straight_into_shared_memory_read_back_as_encoded(serve, tmp_path):
+    """The connector's same-host saves: each chunk's payload is encoded into its room in
+    the store's region (``Fill``), checked by the commit like any put, and written
+    through; it must read back as the same chunk encoded into a buffer of its own."""
+    fills = llama_fills(3, seed=5)
+    chains = llama_chains(3, seed=5)
+    served = serve_default(serve, tmp_path / "lmdb")
+    with KVStoreClient(served.address, ClientOptions(timeout_s=120.0)) as client:
+        for put, records in zip(fills, chains, strict=True):
+            assert [f.key for f in put] == keys_of(records)
+            result = client.put(put, shm=True)
+            assert (result.stored, result.rejected) == (3, []), result
+            read_tcp(client, keys_of(records), payloads_of(records))
+        assert sorted(t.chunks for t in client.stats().tiers) == [6, 6]  # dram and nvme

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
+import torch
 
 from kvstore.client import KVStoreClient, shm_writer
-from kvstore.core import regions
+from kvstore.core import codec, regions
 from kvstore.core.types import ChunkRecord, InvalidArgument
 from kvstore.rpc.pb import pb
 from kvstore.server.service_calls import Limits
-from tests.chunks import CHUNK_COST, chain
+from tests.chunks import CHUNK_COST, SHAPE, chain
 from tests.service.conftest import keys_of, payloads_of
 
 
@@ -146,7 +148,7 @@ def test_a_key_reserved_twice_gets_one_room_and_both_writers_store_it(client, se
     region = shm_writer._Region(dram.region_name)
     try:
         handle = pb.ShmHandle(offset=refs_a[0].offset, length=refs_a[0].length)
-        assert region.write_all([(handle, rec.key, rec.payload)], time.monotonic() + 30) == [True]
+        assert region.write_all([(handle, rec)], time.monotonic() + 30) == [True]
     finally:
         region.close()
     result = served.store.commit_shm(first)
@@ -208,3 +210,73 @@ def test_a_writer_too_slow_for_its_reservation_writes_nothing_and_uses_put(
         assert [bytes(p) for p in c.get(keys_of(others))] == payloads_of(others)
     assert not dram._staged
     assert dram.free_bytes == dram.capacity_bytes - 6 * CHUNK_COST
+
+
+# ---- Fill: a payload encoded straight into its room (the connector's same-host saves) ----
+
+
+class Fills:
+    """``Fill`` records for ``chain(n, seed)``'s chunks: each encodes the same K/V as that
+    chunk's payload; notes where each write went, and can make one of them fail."""
+
+    def __init__(self, n: int, seed: int, fail_at: int | None = None) -> None:
+        self.records = chain(n, seed=seed)
+        self.outs: list[int] = []  # the address each write filled
+        self.fail_at = fail_at
+        self.fills = [
+            shm_writer.Fill(r.key, r.parent, r.ns, len(r.payload), self._writer(i, seed))
+            for i, r in enumerate(self.records)
+        ]
+
+    def _writer(self, i: int, seed: int):
+        g = torch.Generator().manual_seed(seed * 1000 + i)  # as tests.chunks.payload does
+        k, v = torch.randn(SHAPE, generator=g).half(), torch.randn(SHAPE, generator=g).half()
+
+        def write(out: memoryview) -> None:
+            if i == self.fail_at:
+                raise ValueError(f"chunk {i} cannot be encoded")
+            self.outs.append(np.frombuffer(out, np.uint8).ctypes.data)
+            codec.encode(k, v, "raw", out=out)
+
+        return write
+
+
+def _in_region(client, addresses: list[int]) -> list[bool]:
+    arr = client._shm_put_region[1].arr
+    start = arr.ctypes.data
+    return [start <= a < start + arr.nbytes for a in addresses]
+
+
+def test_fills_write_their_payloads_in_their_rooms_and_read_back_as_encoded(client, served):
+    f = Fills(4, seed=60)
+    result = client.put(f.fills, shm=True)
+    assert (result.stored, result.duplicates, result.rejected) == (4, 0, [])
+    assert _in_region(client, f.outs) == [True] * 4  # written where it is kept: no copy
+    assert [bytes(p) for p in client.get(keys_of(f.records))] == payloads_of(f.records)
+    assert client.stats().tiers[1].chunks == 4  # written through, as any put
+    again = client.put(f.fills, shm=True)  # held already: nothing is encoded
+    assert (again.stored, again.duplicates, len(f.outs)) == (0, 4, 4)
+
+
+def test_a_fill_given_no_room_is_encoded_into_its_own_buffer_and_sent_over_put(serve, open_store):
+    served = serve(open_store(dram_slots=2))
+    f = Fills(5, seed=61)
+    with KVStoreClient(served.address) as c:
+        result = c.put(f.fills, shm=True)
+        assert (result.stored, result.rejected) == (5, [])
+        assert sorted(_in_region(c, f.outs)) == [False] * 3 + [True] * 2
+        assert [bytes(p) for p in c.get(keys_of(f.records))] == payloads_of(f.records)
+        plain = Fills(2, seed=62)
+        assert c.put(plain.fills).stored == 2  # without shm: into buffers, over Put
+        assert [bytes(p) for p in c.get(keys_of(plain.records))] == payloads_of(plain.records)
+
+
+def test_a_fill_that_fails_raises_after_its_parents_are_stored_and_holds_no_room(client, served):
+    dram = served.store.tiers[0]
+    f = Fills(4, seed=63, fail_at=2)
+    with pytest.raises(ValueError, match="chunk 2 cannot be encoded"):
+        client.put(f.fills, shm=True)
+    assert client.lookup(keys_of(f.records)).matched == 2
+    assert [bytes(p) for p in client.get(keys_of(f.records)[:2])] == payloads_of(f.records)[:2]
+    assert served.store._tickets == {}  # every room committed or given back
+    assert dram.free_bytes == dram.capacity_bytes - 2 * CHUNK_COST

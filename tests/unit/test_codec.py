@@ -7,7 +7,7 @@ import torch
 
 from kvstore.core import codec
 from kvstore.core.payload import HEADER_BYTES, parse_header, parse_payload
-from kvstore.core.types import PayloadError
+from kvstore.core.types import InvalidArgument, PayloadError
 
 SHAPE = (4, 2, 32, 64)  # layers, kv_heads, tokens, head_dim
 
@@ -182,3 +182,22 @@ def test_a_paced_checksum_is_the_same_checksum_and_paces_each_piece():
     bad[-1] ^= 1
     with pytest.raises(PayloadError):
         parse_payload(bad, pace=lambda: None)
+
+
+@pytest.mark.parametrize("codec_name", ["raw", "fp8"])
+def test_encode_into_a_caller_s_buffer_writes_the_same_payload_there(codec_name):
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(2, 2, 32, 64, generator=g).to(torch.bfloat16)
+    v = torch.randn(2, 2, 32, 64, generator=g).to(torch.bfloat16)
+    want = bytes(codec.encode(k, v, codec_name))
+    assert codec.payload_len(k, v, codec_name) == len(want)
+    room = bytearray(b"\xaa" * len(want))  # stale bytes: every one must be written
+    got = codec.encode(k, v, codec_name, out=room)
+    assert bytes(room) == want and bytes(got) == want
+    parse_payload(room)
+    with pytest.raises(InvalidArgument, match="exactly"):
+        codec.encode(k, v, codec_name, out=bytearray(len(want) + 1))
+    with pytest.raises(InvalidArgument, match="read-only"):
+        codec.encode(k, v, codec_name, out=bytes(len(want)))
+    with pytest.raises(InvalidArgument, match="unknown codec"):
+        codec.payload_len(k, v, "zstd")
