@@ -559,7 +559,11 @@ class KVStoreClient:
 
             return put_same_host(self, records, timeout_s)
         if not all(isinstance(r, ChunkRecord) for r in records):
-            records = [r if isinstance(r, ChunkRecord) else r.record() for r in records]
+            from kvstore.client.shm_writer import for_wire
+
+            records, refused = for_wire(records)
+            result = self.put(records, timeout_s) if records else PutResult(0, 0, [])
+            return PutResult(result.stored, result.duplicates, refused + result.rejected)
         batches = _batches(records, self.options.put_batch_bytes)
         timeout = timeout_s if timeout_s is not None else self.options.timeout_s
         deadline = time.monotonic() + timeout
@@ -691,6 +695,12 @@ class AsyncKVStoreClient:
     async def put(
         self, records: Sequence[ChunkRecord], timeout_s: float | None = None
     ) -> PutResult:
+        if not all(isinstance(r, ChunkRecord) for r in records):  # shm_writer.Fill records
+            from kvstore.client.shm_writer import for_wire
+
+            records, refused = for_wire(records)
+            result = await self.put(records, timeout_s) if records else PutResult(0, 0, [])
+            return PutResult(result.stored, result.duplicates, refused + result.rejected)
         batches = _batches(records, self.options.put_batch_bytes)
         resp = await self._call(
             "Put",

@@ -37,7 +37,8 @@ TRUSTED_FRACTION = 0.5  # of the reservation's ttl, counted from before it was a
 class Fill:
     """A chunk whose payload is written where it is to be kept: ``write(out)`` fills
     ``out``, a writable buffer of exactly ``length`` bytes, with the whole payload (header
-    and checksum included). Put with ``KVStoreClient.put`` like a ``ChunkRecord``."""
+    and checksum included). Put with ``KVStoreClient.put`` (or the asyncio client's) like a
+    ``ChunkRecord``; one whose ``write`` raises is refused, not raised."""
 
     key: bytes
     parent: bytes | None
@@ -109,9 +110,9 @@ class _Region:
 
 
 def _fill_before(fill: Fill, dest: np.ndarray, until: float) -> bool:
-    """Whether ``fill`` wrote its whole payload into ``dest`` in time; one that raised is
-    not (its room is refused at the commit, and the chunk is put over the wire, where the
-    same error is raised to the caller)."""
+    """Whether ``fill`` was started in time and wrote its payload into ``dest``; one that
+    raised did not (its room is refused at the commit, and the chunk goes to the wire,
+    where a second failure refuses it and its chain's later chunks: ``for_wire``)."""
     if time.monotonic() >= until:
         return False
     try:
@@ -119,7 +120,7 @@ def _fill_before(fill: Fill, dest: np.ndarray, until: float) -> bool:
     except Exception:
         log.debug("filling the room of chunk %s failed", fill.key.hex(), exc_info=True)
         return False
-    return time.monotonic() < until
+    return True  # started in time, as a copy: the commit checks what is in the room
 
 
 def _copy_before(copy: bulk_copy.Copy, dest: np.ndarray, src: np.ndarray, until: float) -> bool:
@@ -174,11 +175,16 @@ def put_same_host(
         ]
     )
     sent = time.monotonic()
-    grant = client._call("ReserveShm", client._reserve_shm, req, timeout_s=timeout_s)
+    try:
+        grant = client._call("ReserveShm", client._reserve_shm, req, timeout_s=timeout_s)
+    except KVStoreError as exc:
+        if getattr(exc, "code", None) != grpc.StatusCode.FAILED_PRECONDITION:
+            raise
+        grant = pb.ShmReservation()  # it offers no shared memory (server.shm: false)
     # the room is this writer's for grant.ttl_s from some time after ``sent``; a copy is
     # only started in the first half of that (a store too old to say: a short guess)
     until = sent + (grant.ttl_s or 1.0) * TRUSTED_FRACTION
-    held = {r.key for r, s in zip(records, grant.stored, strict=True) if s}
+    held = {r.key for r, s in zip(records, grant.stored, strict=False) if s}
     stored, dups = 0, len(held)
     committed: set[bytes] = set()
     if grant.ticket:
@@ -205,5 +211,27 @@ def put_same_host(
     by_wire = [r for r in records if r.key not in held and r.key not in committed]
     if not by_wire:
         return PutResult(stored, dups, [])
-    rest = client.put([r.record() if isinstance(r, Fill) else r for r in by_wire], timeout_s)
+    rest = client.put(by_wire, timeout_s)  # a Fill is written into a buffer of its own there
     return PutResult(stored + rest.stored, dups + rest.duplicates, rest.rejected)
+
+
+def for_wire(
+    records: Sequence[ChunkRecord | Fill],
+) -> tuple[list[ChunkRecord], list[tuple[bytes, str]]]:
+    """``records`` with every ``Fill``'s payload written into a buffer of its own, and the
+    chunks refused here: a ``Fill`` whose ``write`` raised, and the chunks after it in its
+    chain (a chunk is never sent without its parent). The others are not held up."""
+    out: list[ChunkRecord] = []
+    refused: dict[bytes, str] = {}
+    for r in records:
+        if r.parent is not None and r.parent in refused:
+            refused[r.key] = "parent was rejected"
+            continue
+        if isinstance(r, Fill):
+            try:
+                r = r.record()
+            except Exception as exc:  # the caller's encoder: its chunk alone is refused
+                refused[r.key] = f"its payload could not be written: {exc!r}"
+                continue
+        out.append(r)
+    return out, list(refused.items())

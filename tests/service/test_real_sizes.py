@@ -187,7 +187,9 @@ def test_llama3_8b_chunks_encoded_straight_into_shared_memory_read_back_as_encod
     through; it must read back as the same chunk encoded into a buffer of its own."""
     fills = llama_fills(3, seed=5)
     chains = llama_chains(3, seed=5)
-    served = serve_default(serve, tmp_path / "lmdb")
+    store, limits, max_message_bytes = default_store(tmp_path / "lmdb")
+    metrics = Metrics(store.stats)
+    served = serve(store, limits=limits, max_message_bytes=max_message_bytes, metrics=metrics)
     with KVStoreClient(served.address, ClientOptions(timeout_s=120.0)) as client:
         for put, records in zip(fills, chains, strict=True):
             assert [f.key for f in put] == keys_of(records)
@@ -195,3 +197,6 @@ def test_llama3_8b_chunks_encoded_straight_into_shared_memory_read_back_as_encod
             assert (result.stored, result.rejected) == (3, []), result
             read_tcp(client, keys_of(records), payloads_of(records))
         assert sorted(t.chunks for t in client.stats().tiers) == [6, 6]  # dram and nvme
+    calls = metrics.registry.get_sample_value
+    assert calls("kvstore_rpc_total", {"method": "CommitShm", "code": "OK"}) == 2
+    assert calls("kvstore_rpc_total", {"method": "Put", "code": "OK"}) is None  # none by wire

@@ -4,6 +4,7 @@ lapses. Real server on loopback, real shared memory, real LMDB."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -271,12 +272,45 @@ def test_a_fill_given_no_room_is_encoded_into_its_own_buffer_and_sent_over_put(s
         assert [bytes(p) for p in c.get(keys_of(plain.records))] == payloads_of(plain.records)
 
 
-def test_a_fill_that_fails_raises_after_its_parents_are_stored_and_holds_no_room(client, served):
+def test_a_fill_that_fails_refuses_its_chain_from_there_and_holds_no_room(client, served):
     dram = served.store.tiers[0]
-    f = Fills(4, seed=63, fail_at=2)
-    with pytest.raises(ValueError, match="chunk 2 cannot be encoded"):
-        client.put(f.fills, shm=True)
+    f, other = Fills(4, seed=63, fail_at=2), Fills(2, seed=64)
+    result = client.put(f.fills + other.fills, shm=True)  # two requests' chains, one save
+    assert result.stored == 4  # the failing chunk's parents, and the other chain whole
+    assert [k for k, _ in result.rejected] == keys_of(f.records)[2:]
+    assert "chunk 2 cannot be encoded" in result.rejected[0][1]
     assert client.lookup(keys_of(f.records)).matched == 2
-    assert [bytes(p) for p in client.get(keys_of(f.records)[:2])] == payloads_of(f.records)[:2]
+    assert [bytes(p) for p in client.get(keys_of(other.records))] == payloads_of(other.records)
     assert served.store._tickets == {}  # every room committed or given back
-    assert dram.free_bytes == dram.capacity_bytes - 2 * CHUNK_COST
+    assert dram.free_bytes == dram.capacity_bytes - 4 * CHUNK_COST
+    plain = Fills(3, seed=65, fail_at=1)  # without shm: the same answer
+    result = client.put(plain.fills)
+    assert result.stored == 1 and [k for k, _ in result.rejected] == keys_of(plain.records)[1:]
+
+
+def test_a_fill_that_ends_after_half_its_room_s_time_is_stored_once(serve, open_store):
+    served = serve(open_store(), limits=Limits(default_lease_ttl_s=1.0))
+    f = Fills(1, seed=66)
+    write = f.fills[0].write
+
+    def slow(out: memoryview) -> None:
+        time.sleep(0.6)  # started in time, done past the first half of the room's second
+        write(out)
+
+    late = dataclasses.replace(f.fills[0], write=slow)
+    with KVStoreClient(served.address) as c:
+        result = c.put([late], shm=True)
+        assert (result.stored, result.duplicates, result.rejected) == (1, 0, [])
+        assert len(f.outs) == 1  # encoded once, in its room
+        assert [bytes(p) for p in c.get(keys_of(f.records))] == payloads_of(f.records)
+
+
+def test_a_store_without_shared_memory_gets_same_host_puts_over_put(serve, open_store):
+    served = serve(open_store(), limits=Limits(shm=False))
+    records, f = chain(2, seed=67), Fills(2, seed=68)
+    with KVStoreClient(served.address) as c:
+        assert c.put(records, shm=True).stored == 2
+        assert c.put(f.fills, shm=True).stored == 2
+        assert len(f.outs) == 2 and getattr(c, "_shm_put_region", None) is None  # no region
+        for r in (records, f.records):
+            assert [bytes(p) for p in c.get(keys_of(r))] == payloads_of(r)

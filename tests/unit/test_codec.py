@@ -184,12 +184,20 @@ def test_a_paced_checksum_is_the_same_checksum_and_paces_each_piece():
         parse_payload(bad, pace=lambda: None)
 
 
-@pytest.mark.parametrize("codec_name", ["raw", "fp8"])
-def test_encode_into_a_caller_s_buffer_writes_the_same_payload_there(codec_name):
+@pytest.mark.parametrize(
+    "codec_name, native", [("raw", False), ("fp8", False), ("fp8", True)], ids=str
+)
+def test_encode_into_a_caller_s_buffer_writes_the_same_payload_there(
+    codec_name, native, monkeypatch
+):
     g = torch.Generator().manual_seed(5)
     k = torch.randn(2, 2, 32, 64, generator=g).to(torch.bfloat16)
     v = torch.randn(2, 2, 32, 64, generator=g).to(torch.bfloat16)
-    want = bytes(codec.encode(k, v, codec_name))
+    monkeypatch.setattr(codec._Kernels, "native", False)  # restored after the test
+    want = bytes(codec.encode(k, v, codec_name))  # the eager kernels' bytes
+    if native:  # fp8's C loops (what the connector runs on a CPU cache)
+        assert codec.compile_kernels(tuple(k.shape), torch.bfloat16)
+        assert codec._Kernels.native
     assert codec.payload_len(k, v, codec_name) == len(want)
     room = bytearray(b"\xaa" * len(want))  # stale bytes: every one must be written
     got = codec.encode(k, v, codec_name, out=room)
