@@ -318,10 +318,10 @@ class _FailingLayout(CpuLayout):
         super().__init__(BLOCK, 32)
         self.bad_block = bad_block
 
-    def gather(self, kv_layer, block_ids):
+    def gather(self, kv_layer, block_ids, out=None):
         if self.bad_block in list(block_ids):
             raise RuntimeError("injected copy failure")
-        return super().gather(kv_layer, block_ids)
+        return super().gather(kv_layer, block_ids, out)
 
 
 def test_a_failing_save_never_raises_and_ends_only_its_own_chain(store_address):
