@@ -10,7 +10,10 @@ two alternated round by round (medians; the host's noise moves both alike):
   paged CPU cache (vLLM's CPU layout, bf16, 32 layers x 8 KV heads x 128, blocks of
   32) copied out as ``[layers, H, T, D]`` K and V. ``stack``: each layer gathered into
   tensors of its own, then ``torch.stack``; ``into``: each layer gathered straight into
-  its slice (``gather(out=)``).
+  its slice of fresh tensors (``gather(out=)``); ``reused``: the same into tensors a sent
+  chunk left (the connector keeps a few: no page faults). The copies are dropped on
+  another thread, as the connector's sender drops them; the thread's page faults are
+  counted.
 - ``send``, on the connector's sender thread: ``--chunks`` such chunks encoded (``fp8``:
   16.4 MiB a chunk; ``raw``: 32 MiB) and put into a ``kvstore serve`` on this host
   (DRAM only). ``copy``: encoded into buffers of their own, then copied into the store's
@@ -47,6 +50,14 @@ LAYERS, HEADS, TOKENS, DIM = LLAMA8B_CHUNK
 BLOCK = 32
 
 
+def _drop_elsewhere(holder: list) -> None:
+    """Empty ``holder``, the only owner of its items, on another thread: where the
+    connector's sender frees a chunk's copies."""
+    thread = threading.Thread(target=holder.clear)
+    thread.start()
+    thread.join()
+
+
 def gather_cases(rounds: int, progress: Progress) -> dict:
     g = torch.Generator().manual_seed(0)
     blocks = 4 * TOKENS // BLOCK  # room for four chunks: each round reads other blocks
@@ -60,9 +71,11 @@ def gather_cases(rounds: int, progress: Progress) -> dict:
         ks, vs = zip(*(layout.gather(c, ids) for c in caches))
         return torch.stack(ks), torch.stack(vs)
 
-    def into(ids):
-        shape = (LAYERS, HEADS, len(ids) * BLOCK, DIM)
-        k, v = torch.empty(shape, dtype=torch.bfloat16), torch.empty(shape, dtype=torch.bfloat16)
+    shape = (LAYERS, HEADS, TOKENS, DIM)
+    spare = (torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))
+
+    def into(ids, reuse=False):
+        k, v = spare if reuse else (torch.empty(shape, dtype=torch.bfloat16) for _ in range(2))
         for i, c in enumerate(caches):
             layout.gather(c, ids, out=(k[i], v[i]))
         return k, v
@@ -71,16 +84,22 @@ def gather_cases(rounds: int, progress: Progress) -> dict:
     a, b = stack(list(range(per))), into(list(range(per)))
     if not (torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])):
         raise AssertionError("the two gathers disagree")
-    times: dict[str, list[float]] = {"stack": [], "into": []}
+    times: dict[str, list[float]] = {"stack": [], "into": [], "reused": []}
+    faults: dict[str, list[int]] = {name: [] for name in times}
+    cases = (("stack", stack), ("into", into), ("reused", functools.partial(into, reuse=True)))
     for r in range(rounds):
         ids = list(range((r % 4) * per, (r % 4 + 1) * per))
-        for name, fn in (("stack", stack), ("into", into)):
+        for name, fn in cases:
+            f0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
             t0 = time.perf_counter()
-            out = fn(ids)
+            out = [fn(ids)]
             times[name].append((time.perf_counter() - t0) * 1e3)
-            del out
+            faults[name].append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0)
+            _drop_elsewhere(out)
         progress.step("gather")
-    return {f"gather_{n}_ms": round(statistics.median(t), 2) for n, t in times.items()}
+    result = {f"gather_{n}_ms": round(statistics.median(t), 2) for n, t in times.items()}
+    result.update({f"gather_{n}_faults": int(statistics.median(f)) for n, f in faults.items()})
+    return result
 
 
 def send_cases(address: str, chunks: int, rounds: int, progress: Progress) -> dict:
@@ -173,8 +192,9 @@ def main() -> None:
         finally:
             store.stop()
     progress.done()
-    into, stack = result["gather_into_ms"], result["gather_stack_ms"]
-    result["gather_into_over_stack"] = round(into / stack, 3)
+    stack = result["gather_stack_ms"]
+    result["gather_into_over_stack"] = round(result["gather_into_ms"] / stack, 3)
+    result["gather_reused_over_stack"] = round(result["gather_reused_ms"] / stack, 3)
     for key, value in result.items():
         print(f"{key:32} {value}")
     emit("save_path", result, args.out)

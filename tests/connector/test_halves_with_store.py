@@ -86,6 +86,41 @@ def test_saved_chunks_load_into_other_blocks_exactly(store_address):
     loader.close()
 
 
+def test_a_sent_chunk_s_copies_carry_the_next_saves_and_every_chunk_stays_its_own(
+    store_address,
+):
+    """The K/V copied out for a save are reused for the next saves once sent (fresh ones
+    page-faulted on the engine's thread); what each save stored must still be its own
+    blocks' bytes, read back by loading every chunk into another cache."""
+    src = paged_cache(seed=3)
+    saver = worker(store_address, src)
+    first = chunk_keys(NS.digest(), list(range(2 * CHUNK)), CHUNK)
+    saver.save(KVStoreMetadata(saves=[SaveSpec("a", first, None, [0, 1, 2, 3])]))
+    assert saver.flush(10) and saver.counters.saved_chunks == 2
+    spare = sorted(k.data_ptr() for k, _ in saver._spare)
+    assert len(spare) == 2  # both chunks' copies, kept once sent
+    then = chunk_keys(NS.digest(), list(range(1, 1 + 2 * CHUNK)), CHUNK)
+    saver.save(KVStoreMetadata(saves=[SaveSpec("b", then, None, [8, 9, 10, 11])]))
+    assert saver.flush(10) and saver.counters.saved_chunks == 4
+    assert sorted(k.data_ptr() for k, _ in saver._spare) == spare  # gathered into them
+    dst = paged_cache(seed=4)
+    loader = worker(store_address, dst)
+    loader.load(
+        KVStoreMetadata(
+            loads=[LoadSpec("a", first, [4, 5, 6, 7], 0), LoadSpec("b", then, [12, 13, 14, 15], 0)]
+        )
+    )
+    assert loader.load_errors() == set()
+    layout = CpuLayout(BLOCK, DIM)
+    for name in src:
+        for saved, loaded in (([0, 1, 2, 3], [4, 5, 6, 7]), ([8, 9, 10, 11], [12, 13, 14, 15])):
+            want_k, want_v = layout.gather(src[name], saved)
+            got_k, got_v = layout.gather(dst[name], loaded)
+            assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    saver.close()
+    loader.close()
+
+
 def test_chunks_of_another_shape_under_the_keys_are_not_loaded(store_address):
     """Whatever a store holds under a prefix's keys, chunks whose shape is not the engine's
     (here a model with one layer more: each layer alone would fit the engine's blocks) are
