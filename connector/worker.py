@@ -55,7 +55,7 @@ from kvstore.core.types import ChunkRecord, ShmGrant
 
 log = logging.getLogger(__name__)
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
-SPARE_CHUNKS = 4  # sent chunks' CPU K/V kept for the next gathers (4 x 32 MiB at Llama-3-8B)
+SPARE_CHUNKS = 4  # CPU K/V kept for the next gathers (4 x 32 MiB at Llama-3-8B bf16)
 
 
 @dataclass
@@ -156,8 +156,9 @@ class WorkerHalf:
         self._loaded: list[tuple[str, set[int]]] = []  # done: request, blocks not filled
         self._loaded_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(maxsize=config.save_queue_depth)
-        # CPU K/V of sent chunks, for the next gathers: fresh ones page-fault on the
-        # engine's thread (a Llama-3-8B bf16 chunk: 14.5 -> 6.8 ms to gather, reused)
+        # CPU K/V of chunks the sender is done with, for the next gathers: fresh ones
+        # page-fault on the engine's thread (a Llama-3-8B bf16 chunk: 4,002 faults, and
+        # 14.1 / 26.8 -> 9.2 / 7.4 ms to gather reused; benchmarks/save_path.py)
         self._spare: collections.deque[tuple[torch.Tensor, torch.Tensor]] = collections.deque(
             maxlen=SPARE_CHUNKS
         )
@@ -639,8 +640,13 @@ class WorkerHalf:
         if k is None or k.shape != shape or k.dtype != first.dtype or k.device != first.device:
             k = torch.empty(shape, dtype=first.dtype, device=first.device)
             v = torch.empty(shape, dtype=first.dtype, device=first.device)
-        for i, cache in enumerate(self._layers):
-            self._layout.gather(cache, blocks, out=(k[i], v[i]))
+        try:
+            for i, cache in enumerate(self._layers):
+                self._layout.gather(cache, blocks, out=(k[i], v[i]))
+        except BaseException:
+            if k.device.type == "cpu":
+                self._spare.append((k, v))  # nothing of it is saved: the next gather's
+            raise
         return k, v
 
     def _chunk_bytes(self) -> int:
@@ -780,6 +786,7 @@ class WorkerHalf:
         if self._sender is not None:
             self._queue.put(None)
             self._sender.join(timeout=5)
+        self._spare.clear()
         if self._check_pool is not None:
             self._check_pool.shutdown(wait=True)
         if self._client is not None:

@@ -7,6 +7,7 @@ vLLM runs are in ``test_vllm_e2e.py``.
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -114,6 +115,66 @@ def test_a_sent_chunk_s_copies_carry_the_next_saves_and_every_chunk_stays_its_ow
     layout = CpuLayout(BLOCK, DIM)
     for name in src:
         for saved, loaded in (([0, 1, 2, 3], [4, 5, 6, 7]), ([8, 9, 10, 11], [12, 13, 14, 15])):
+            want_k, want_v = layout.gather(src[name], saved)
+            got_k, got_v = layout.gather(dst[name], loaded)
+            assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    saver.close()
+    loader.close()
+
+
+class HeldClient(KVStoreClient):
+    """The real client, whose puts wait until the test lets them go: a store slow to take
+    a save, without timing anything."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def put(self, records, timeout_s=None, *, shm=False):
+        self.entered.set()
+        assert self.release.wait(30)
+        return super().put(records, timeout_s, shm=shm)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_save_made_while_the_last_is_being_put_never_gathers_into_its_copies(
+    store_address, transport
+):
+    src = paged_cache(seed=5)
+    client = HeldClient(store_address)
+    saver = WorkerHalf(
+        config(store_address, transport=transport),
+        NS,
+        BLOCK,
+        0,
+        lambda kv, name: CpuLayout(BLOCK, DIM),
+        client=client,
+    )
+    saver.register(src)
+    keys = [chunk_keys(NS.digest(), list(range(i, i + 2 * CHUNK)), CHUNK) for i in range(3)]
+    blocks = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    client.release.set()
+    saver.save(KVStoreMetadata(saves=[SaveSpec("a", keys[0], None, blocks[0])]))
+    assert saver.flush(10) and len(saver._spare) == 2  # sent: its copies are spare now
+    client.entered.clear()
+    client.release.clear()
+    saver.save(KVStoreMetadata(saves=[SaveSpec("b", keys[1], None, blocks[1])]))
+    assert client.entered.wait(10)  # b's copies (a's spares) are being put, held there
+    saver.save(KVStoreMetadata(saves=[SaveSpec("c", keys[2], None, blocks[2])]))
+    client.release.set()
+    assert saver.flush(10) and saver.counters.saved_chunks == 6
+    dst = paged_cache(seed=6)
+    loader = worker(store_address, dst)
+    landed = [[12, 13, 14, 15], [4, 5, 6, 7], [8, 9, 10, 11]]
+    loader.load(
+        KVStoreMetadata(
+            loads=[LoadSpec(f"r{i}", k, b, 0) for i, (k, b) in enumerate(zip(keys, landed))]
+        )
+    )
+    assert loader.load_errors() == set()
+    layout = CpuLayout(BLOCK, DIM)
+    for name in src:
+        for saved, loaded in zip(blocks, landed, strict=True):
             want_k, want_v = layout.gather(src[name], saved)
             got_k, got_v = layout.gather(dst[name], loaded)
             assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
