@@ -104,21 +104,25 @@ def test_a_sent_chunk_s_copies_carry_the_next_saves_and_every_chunk_stays_its_ow
     saver.save(KVStoreMetadata(saves=[SaveSpec("b", then, None, [8, 9, 10, 11])]))
     assert saver.flush(10) and saver.counters.saved_chunks == 4
     assert sorted(k.data_ptr() for k, _ in saver._spare) == spare  # gathered into them
-    dst = paged_cache(seed=4)
-    loader = worker(store_address, dst)
-    loader.load(
-        KVStoreMetadata(
-            loads=[LoadSpec("a", first, [4, 5, 6, 7], 0), LoadSpec("b", then, [12, 13, 14, 15], 0)]
-        )
-    )
+    saved = [(first, [0, 1, 2, 3]), (then, [8, 9, 10, 11])]
+    assert_loads_back(store_address, src, saved, [[4, 5, 6, 7], [12, 13, 14, 15]])
+    saver.close()
+
+
+def assert_loads_back(address, src, saved, landed) -> None:
+    """Each of ``saved``'s (keys, blocks of ``src``) loads into ``landed``'s blocks of
+    another cache as exactly those blocks."""
+    dst = paged_cache(seed=9)
+    loader = worker(address, dst)
+    loads = [LoadSpec(f"r{i}", keys, b, 0) for i, ((keys, _), b) in enumerate(zip(saved, landed))]
+    loader.load(KVStoreMetadata(loads=loads))
     assert loader.load_errors() == set()
     layout = CpuLayout(BLOCK, DIM)
     for name in src:
-        for saved, loaded in (([0, 1, 2, 3], [4, 5, 6, 7]), ([8, 9, 10, 11], [12, 13, 14, 15])):
-            want_k, want_v = layout.gather(src[name], saved)
-            got_k, got_v = layout.gather(dst[name], loaded)
+        for (_, blocks), into in zip(saved, landed, strict=True):
+            want_k, want_v = layout.gather(src[name], blocks)
+            got_k, got_v = layout.gather(dst[name], into)
             assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
-    saver.close()
     loader.close()
 
 
@@ -163,23 +167,9 @@ def test_a_save_made_while_the_last_is_being_put_never_gathers_into_its_copies(
     saver.save(KVStoreMetadata(saves=[SaveSpec("c", keys[2], None, blocks[2])]))
     client.release.set()
     assert saver.flush(10) and saver.counters.saved_chunks == 6
-    dst = paged_cache(seed=6)
-    loader = worker(store_address, dst)
     landed = [[12, 13, 14, 15], [4, 5, 6, 7], [8, 9, 10, 11]]
-    loader.load(
-        KVStoreMetadata(
-            loads=[LoadSpec(f"r{i}", k, b, 0) for i, (k, b) in enumerate(zip(keys, landed))]
-        )
-    )
-    assert loader.load_errors() == set()
-    layout = CpuLayout(BLOCK, DIM)
-    for name in src:
-        for saved, loaded in zip(blocks, landed, strict=True):
-            want_k, want_v = layout.gather(src[name], saved)
-            got_k, got_v = layout.gather(dst[name], loaded)
-            assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    assert_loads_back(store_address, src, list(zip(keys, blocks)), landed)
     saver.close()
-    loader.close()
 
 
 def test_chunks_of_another_shape_under_the_keys_are_not_loaded(store_address):
