@@ -46,7 +46,7 @@ from connector.plan import KVStoreMetadata, LoadSpec, SaveSpec
 from connector.planner import MIN_STEP_TOKENS
 from kvstore.client.grpc_client import ShmViews
 from kvstore.client.shards import ShardedClient, connect
-from kvstore.client.shm_writer import Fill
+from kvstore.client.shm_writer import Fill, payload_bytes
 from kvstore.core import bulk_copy, codec
 from kvstore.core.fp8_blocks import Fp8Batch
 from kvstore.core.keys import Namespace, part_key
@@ -713,23 +713,21 @@ class WorkerHalf:
             if failed:  # an earlier chunk of its chain was not stored: this one is an orphan
                 self._count("save_skipped", 1)
                 continue
+            key = part_key(c.key, self.rank, self.tp)
+            parent = part_key(c.parent, self.rank, self.tp) if c.parent else None
             try:
-                # same host: encoded straight into the store's shared memory, where it is
-                # kept (no buffer of its own to fault in, fill and copy out again)
-                length = codec.payload_len(c.k, c.v, name) if same_host else 0
-                payload = None if same_host else codec.encode(c.k, c.v, name)
+                if same_host:  # encoded straight into the store's shared memory, in put
+                    n = codec.payload_len(c.k, c.v, name)
+                    encode = functools.partial(codec.encode, c.k, c.v, name)
+                    records.append(Fill(key, parent, self.ns_digest, n, encode))
+                else:
+                    payload = codec.encode(c.k, c.v, name)
+                    records.append(ChunkRecord(key, parent, self.ns_digest, payload))
             except Exception as exc:
                 self._log_once("encode", "kvstore could not encode a chunk: %r", exc)
                 self._count("save_failures", 1)
                 self._fail_chain(c.req_id)
                 continue
-            key = part_key(c.key, self.rank, self.tp)
-            parent = part_key(c.parent, self.rank, self.tp) if c.parent else None
-            if payload is None:
-                encode = functools.partial(codec.encode, c.k, c.v, name)
-                records.append(Fill(key, parent, self.ns_digest, length, encode))
-            else:
-                records.append(ChunkRecord(key, parent, self.ns_digest, payload))
             owners[key] = c.req_id
             roots[key] = part_key(c.root, self.rank, self.tp)
         if not records:
@@ -750,11 +748,7 @@ class WorkerHalf:
         refused = {key for key, _ in result.rejected}
         self._count(
             "saved_bytes",
-            sum(
-                r.length if isinstance(r, Fill) else memoryview(r.payload).nbytes
-                for r in records
-                if r.key not in refused
-            ),
+            sum(payload_bytes(r) for r in records if r.key not in refused),
         )
         if result.rejected:
             self._count("save_failures", len(result.rejected))

@@ -53,7 +53,8 @@ class Fill:
         return ChunkRecord(self.key, self.parent, self.ns, out)
 
 
-def _length(r: ChunkRecord | Fill) -> int:
+def payload_bytes(r: ChunkRecord | Fill) -> int:
+    """The size of a record's payload, written or to be written."""
     return r.length if isinstance(r, Fill) else memoryview(r.payload).nbytes
 
 
@@ -79,7 +80,8 @@ class _Region:
         fills: list[tuple[int, Fill, np.ndarray]] = []
         for handle, rec in rooms:
             start, end = handle.offset, handle.offset + handle.length
-            fits = start >= KEY_BYTES and end <= self.arr.nbytes and _length(rec) == handle.length
+            inside = start >= KEY_BYTES and end <= self.arr.nbytes
+            fits = inside and payload_bytes(rec) == handle.length
             ok.append(fits and self.arr[start - KEY_BYTES : start].tobytes() == rec.key)
             if not ok[-1]:
                 continue
@@ -169,7 +171,7 @@ def put_same_host(
                 key=r.key,
                 parent=r.parent or b"",
                 namespace=r.ns or b"",
-                length=_length(r),
+                length=payload_bytes(r),
             )
             for r in records
         ]
@@ -180,11 +182,11 @@ def put_same_host(
     except KVStoreError as exc:
         if getattr(exc, "code", None) != grpc.StatusCode.FAILED_PRECONDITION:
             raise
-        grant = pb.ShmReservation()  # it offers no shared memory (server.shm: false)
+        return client.put(records, timeout_s)  # it offers no shared memory (server.shm: false)
     # the room is this writer's for grant.ttl_s from some time after ``sent``; a copy is
     # only started in the first half of that (a store too old to say: a short guess)
     until = sent + (grant.ttl_s or 1.0) * TRUSTED_FRACTION
-    held = {r.key for r, s in zip(records, grant.stored, strict=False) if s}
+    held = {r.key for r, s in zip(records, grant.stored, strict=True) if s}
     stored, dups = 0, len(held)
     committed: set[bytes] = set()
     if grant.ticket:
