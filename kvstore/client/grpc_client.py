@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvstore.client.local_calls import LOCAL_METHODS, LocalCallError, LocalCalls
 from kvstore.client.put_routes import FALLBACK, PutRoutes, put_target
 from kvstore.client.shm_reader import ShmReader, ShmReadStats, copiers
 from kvstore.core import wire
@@ -140,6 +141,9 @@ class ClientOptions:
     # send puts (those not over shared memory) to the store's put process when it has one
     # (it says so in Routes), so that they do not slow its lookups; False: to the store
     route_puts: bool = True
+    # send a same-host put's ReserveShm and CommitShm over the store's Unix socket when it
+    # names one (Routes; kvstore.client.local_calls): a gRPC call costs 0.4-1 ms more
+    local_calls: bool = True
 
     def __post_init__(self) -> None:
         if self.retries < 0 or not (math.isfinite(self.backoff_s) and self.backoff_s > 0):
@@ -280,6 +284,7 @@ class KVStoreClient:
         self._routes: PutRoutes | None = None  # None: every put goes to the store
         if self.options.route_puts and put_target(target, 0) is not None:
             self._routes = PutRoutes(target, ch, lambda address: auth.channel(address, options))
+        self._local = LocalCalls(target, ch, auth.token) if self.options.local_calls else None
         self._lookup = ch.unary_unary(
             _method("Lookup"), pb.LookupRequest.SerializeToString, pb.LookupResponse.FromString
         )
@@ -319,6 +324,13 @@ class KVStoreClient:
     def _call(self, name: str, fn, *args, timeout_s: float | None = None):
         """``fn(*args, timeout=...)``; gRPC has made every attempt the channel allows."""
         timeout = timeout_s if timeout_s is not None else self.options.timeout_s
+        if self._local is not None and name in LOCAL_METHODS:
+            try:
+                reply = self._local.call(name, args[0], timeout)
+            except LocalCallError as exc:
+                raise ClientError(name, exc.code, exc.details) from None
+            if reply is not None:
+                return reply
         try:
             return fn(*args, timeout=timeout)
         except grpc.RpcError as exc:
@@ -637,6 +649,8 @@ class KVStoreClient:
         close_region(self)
         if self._routes is not None:
             self._routes.close()
+        if self._local is not None:
+            self._local.close()
         self._channel.close()
 
     def __enter__(self) -> KVStoreClient:

@@ -82,6 +82,8 @@ def start(config: Config) -> Running:
             if s.tls_cert
             else None,
             tenants=Tenants.load(s.tenants_file) if s.tenants_file else None,
+            # mTLS asks every caller for a certificate; the socket could not
+            local_channel=s.local_channel and not s.tls_client_ca,
         )
         port = server.start()
     except BaseException:

@@ -142,6 +142,9 @@ class ServerConfig(_Section):
     put_listen: str = _opt(
         "", "host:port of the put process; empty: listen's host, a free port (told to clients)"
     )
+    local_channel: Bool = _opt(
+        True, "with shm, answer same-host put calls on a Unix socket too (not with mTLS)"
+    )
 
     def _check(self) -> None:
         self._require(

@@ -1,10 +1,12 @@
 """The gRPC server around a store: health, reflection, metrics, graceful shutdown.
 
-Offers ``StoreServer(store, listen, limits, ..., credentials, tenants)`` (TLS when
-``credentials`` are given; bearer tokens per tenant when ``tenants`` are) with
+Offers ``StoreServer(store, listen, limits, ..., credentials, tenants, local_channel)``
+(TLS when ``credentials`` are given; bearer tokens per tenant when ``tenants`` are) with
 ``start()`` (returns the bound port), ``stop()`` (refuse new calls, finish
 in-flight ones, flush and close the store) and ``wait()``. A stop never cuts an
-in-flight call short before ``grace_s`` has passed.
+in-flight call short before ``grace_s`` has passed. Where it offers shared memory
+(``limits.shm``) and ``local_channel`` is on, it also answers same-host put calls on a
+Unix socket (``kvstore.server.local_channel``), which ``Routes`` names.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore.rpc.pb import SERVICE, pb
 from kvstore.server.auth import Tenants
+from kvstore.server.local_channel import LocalChannel
 from kvstore.server.service import KVStoreService, Limits
 from kvstore.server.service_handlers import generic_handler
 from kvstore.server.store import TieredStore
@@ -39,6 +42,7 @@ class StoreServer:
         metrics=None,
         credentials: grpc.ServerCredentials | None = None,
         tenants: Tenants | None = None,
+        local_channel: bool = True,
     ) -> None:
         self.store = store
         self.listen = listen
@@ -60,6 +64,8 @@ class StoreServer:
             (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
         )
         self.port: int | None = None
+        self._local_wanted = local_channel and self.service.limits.shm
+        self._local: LocalChannel | None = None
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
 
@@ -74,6 +80,10 @@ class StoreServer:
         if not self.port and not self.listen.startswith("unix:"):
             raise OSError(f"cannot listen on {self.listen}: address in use or invalid")
         self._server.start()
+        if self._local_wanted:
+            self._local = LocalChannel(self.service)
+            self._local.start()
+            self.service.local_socket = self._local.address
         for name in ("", SERVICE):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return self.port
@@ -86,6 +96,8 @@ class StoreServer:
             self._health.enter_graceful_shutdown()
             self.service.drain()
             self._server.stop(self.grace_s).wait()
+            if self._local is not None:
+                self._local.stop(self.grace_s)
             try:
                 self.store.close()
             finally:

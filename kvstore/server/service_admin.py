@@ -3,7 +3,8 @@
 Offers the ``AdminRpcs`` mixin of ``KVStoreService``. A tenant's call only ever reaches
 or shows its own namespaces: a tenant's ``Stats`` hides the store-wide counters, and
 ``Explain`` never changes what it explains (no recency refreshed, no lease taken).
-``Routes`` tells clients where to send their puts (``put_port``, the store's put process).
+``Routes`` tells clients where to send their puts (``put_port``, the store's put process)
+and same-host put calls (``local_socket``, ``kvstore.server.local_channel``).
 """
 
 from __future__ import annotations
@@ -105,6 +106,6 @@ class AdminRpcs(ServiceCalls):
 
     def Routes(self, request, context):
         def run(caller: Caller):
-            return pb.RoutesResponse(put_port=self.put_port or 0)
+            return pb.RoutesResponse(put_port=self.put_port or 0, local_socket=self.local_socket)
 
         return self._call("Routes", context, run)

@@ -94,6 +94,8 @@ class ServiceCalls:
         self._draining = threading.Event()
         # set by whoever starts a put process for this store; Routes tells clients
         self.put_port: int | None = None
+        # set by the server that answers same-host calls on a Unix socket too (Routes)
+        self.local_socket = ""
 
     def drain(self) -> None:
         """Refuse new calls with UNAVAILABLE while in-flight ones finish."""

@@ -1,6 +1,8 @@
 """Same-host puts: the client copies each payload straight into the store's shared
 memory and commits; the commit validates exactly like Put, and room never committed
-lapses. Real server on loopback, real shared memory, real LMDB."""
+lapses. Real server on loopback, real shared memory, real LMDB. The ``client`` fixture
+here makes the tests run twice: with the put's two calls over the store's same-host
+socket (the default) and over gRPC."""
 
 from __future__ import annotations
 
@@ -11,13 +13,20 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.client import KVStoreClient, shm_writer
+from kvstore.client import ClientOptions, KVStoreClient, shm_writer
 from kvstore.core import codec, regions
 from kvstore.core.types import ChunkRecord, InvalidArgument
 from kvstore.rpc.pb import pb
 from kvstore.server.service_calls import Limits
 from tests.chunks import CHUNK_COST, SHAPE, chain
 from tests.service.conftest import keys_of, payloads_of
+
+
+@pytest.fixture(params=["local", "grpc"])
+def client(served, request):
+    options = ClientOptions(timeout_s=10.0, local_calls=request.param == "local")
+    with KVStoreClient(served.address, options) as c:
+        yield c
 
 
 def test_a_same_host_put_lands_in_dram_and_lmdb_byte_for_byte(client, served):

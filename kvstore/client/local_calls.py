@@ -1,0 +1,162 @@
+"""Same-host put calls over the store's Unix socket instead of gRPC.
+
+Offers ``LocalCalls(target, channel, token)`` with ``call(name, request, timeout_s)``,
+``close()``, ``LocalCallError`` and ``LOCAL_METHODS``. A store that offers shared memory also
+answers ``ReserveShm`` and ``CommitShm`` on an abstract Unix socket, which it names in
+``Routes`` (``kvstore.server.local_channel``; why: ``kvstore.rpc.local_wire``). The
+client asks ``Routes`` on the first such call (then at most every ``REASK_S`` while the
+store names no socket, or after it could not be reached) and keeps one connection per
+thread (and per process: a forked child never writes to its parent's).
+
+``call`` returns None where the call should go over gRPC instead: the target is not on
+this host, the store names no socket, the connection cannot be made (another network
+namespace, a store over its limit of connections), or a ``ReserveShm`` found the
+connection gone before its answer came (a second reservation only lapses, as when gRPC
+retries one). A ``CommitShm`` whose answer was lost is not sent again (its ticket may be
+spent): ``UNAVAILABLE``, as from gRPC. The store's own refusals come back as
+``LocalCallError`` with gRPC's status code and message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+import weakref
+
+import grpc
+
+from kvstore.rpc.local_wire import HELLO, METHODS, TAGS, FrameError, recv_frame, send_frame
+from kvstore.rpc.pb import SERVICE, pb
+
+LOCAL_METHODS = frozenset(TAGS)  # the calls a store's socket answers
+REASK_S = 10.0  # as kvstore.client.put_routes
+ASK_TIMEOUT_S = 2.0
+_LOOPBACK = ("localhost", "127.", "[::1]", "::1")
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class LocalCallError(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+def on_this_host(target: str) -> bool:
+    """Whether a gRPC target names this host (loopback or a Unix socket)."""
+    if target.startswith(("unix:", "unix-abstract:")):
+        return True
+    host = target.removeprefix("ipv4:").removeprefix("ipv6:").removeprefix("dns:")
+    return host.startswith(_LOOPBACK) and "," not in host
+
+
+class LocalCalls:
+    def __init__(self, target: str, channel: grpc.Channel, token: str) -> None:
+        self._enabled = on_this_host(target)
+        self._token = token.encode()
+        self._routes = channel.unary_unary(
+            f"/{SERVICE}/Routes", pb.RoutesRequest.SerializeToString, pb.RoutesResponse.FromString
+        )
+        self._lock = threading.Lock()  # guards the fields below
+        self._address = ""
+        self._next_ask = 0.0
+        self._asking = False
+        self._closed = False
+        self._mine = threading.local()  # this thread's (pid, address, socket)
+        self._sockets: weakref.WeakSet[socket.socket] = weakref.WeakSet()
+
+    def call(self, name: str, request, timeout_s: float):
+        """The store's answer to ``name`` over its socket, or None: use gRPC."""
+        address = self._route(timeout_s) if self._enabled else ""
+        if not address.startswith("\0"):  # only ever an abstract socket: never a file
+            return None
+        sock = self._socket(address, timeout_s)
+        if sock is None:
+            return None
+        tag = TAGS[name]
+        try:
+            sock.settimeout(timeout_s)
+            send_frame(sock, tag, request.SerializeToString())
+        except OSError:  # the store closed it (restarted, stopping): it read no request
+            self._drop(sock, address)
+            return None
+        try:
+            code, body = recv_frame(sock)
+        except TimeoutError:  # the answer may still come: it must not be read as the next one's
+            self._drop(sock)
+            raise LocalCallError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s} s"
+            ) from None
+        except (OSError, EOFError, FrameError) as exc:
+            self._drop(sock, address)
+            if name == "ReserveShm":
+                return None
+            raise LocalCallError(
+                grpc.StatusCode.UNAVAILABLE, f"the store's local socket closed: {exc}"
+            ) from None
+        if code != grpc.StatusCode.OK.value[0]:
+            status = _CODES.get(code, grpc.StatusCode.UNKNOWN)
+            raise LocalCallError(status, body.decode("utf-8", "replace"))
+        return METHODS[tag][2].FromString(body)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            socks = list(self._sockets)
+        for sock in socks:
+            sock.close()
+
+    def _route(self, timeout_s: float) -> str:
+        with self._lock:
+            ask = not (self._address or self._asking) and time.monotonic() >= self._next_ask
+            self._asking |= ask
+        if ask:
+            try:
+                address = self._routes(
+                    pb.RoutesRequest(), timeout=min(timeout_s, ASK_TIMEOUT_S)
+                ).local_socket
+            except (grpc.RpcError, ValueError):  # no answer, an older store, a closed channel
+                address = ""
+            with self._lock:
+                self._address, self._asking = address, False
+                self._next_ask = time.monotonic() + REASK_S
+        with self._lock:
+            return "" if self._closed else self._address
+
+    def _socket(self, address: str, timeout_s: float) -> socket.socket | None:
+        """This thread's connection to ``address``, made (and greeted) when it has none."""
+        mine = getattr(self._mine, "conn", None)
+        if mine is not None and mine[0] == os.getpid() and mine[1] == address:
+            return mine[2]
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(min(timeout_s, ASK_TIMEOUT_S))
+            sock.connect(address)
+            send_frame(sock, HELLO, self._token)
+        except OSError:
+            sock.close()
+            self._failed(address)
+            return None
+        with self._lock:
+            if self._closed:
+                sock.close()
+                return None
+            self._sockets.add(sock)
+        self._mine.conn = (os.getpid(), address, sock)
+        return sock
+
+    def _drop(self, sock: socket.socket, failed: str = "") -> None:
+        self._mine.conn = None
+        with contextlib.suppress(OSError):
+            sock.close()
+        if failed:
+            self._failed(failed)
+
+    def _failed(self, address: str) -> None:
+        """Calls go over gRPC until the next question."""
+        with self._lock:
+            if self._address == address:
+                self._address = ""
+                self._next_ask = time.monotonic() + REASK_S

@@ -1,0 +1,162 @@
+"""The store's same-host socket: ``ReserveShm`` and ``CommitShm`` without gRPC.
+
+Offers ``LocalChannel(service)`` with ``start()``, ``stop(grace_s)``, ``address`` (an
+abstract Unix socket's name, which ``Routes`` hands to clients) and ``calls`` (answered
+calls per method). Framing and the reason it exists: ``kvstore.rpc.local_wire``.
+
+Each call goes to the very servicer method gRPC calls (``KVStoreService.ReserveShm``...),
+with a context that says the peer is local and carries the token of the client's hello:
+authentication, tenants, quotas, draining, metrics and error codes are the same as over
+gRPC. Who may connect: a process of the store's own user, or root; they can map the
+store's shared memory anyway. Anyone else is hung up on before a byte is read. A client
+that sends a frame no client sends (over the size limit, cut short) is hung up on; one
+that names no method this socket serves, or sends a request that does not parse, is told
+so and may go on. Never more than ``MAX_CLIENTS`` connections: a client over the limit is
+hung up on and uses gRPC.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import struct
+import threading
+from collections import Counter
+
+import grpc
+
+from kvstore.rpc.local_wire import HELLO, METHODS, FrameError, recv_frame, send_frame
+
+log = logging.getLogger(__name__)
+MAX_CLIENTS = 64
+HELLO_TIMEOUT_S = 5.0
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _Context:
+    """What the servicer asks of a gRPC context, for one local connection."""
+
+    def __init__(self, pid: int, token: str) -> None:
+        self._peer = f"unix:local-pid-{pid}"
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+
+    def peer(self) -> str:
+        return self._peer
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    def time_remaining(self) -> None:
+        return None
+
+    def abort(self, code: grpc.StatusCode, details: str):
+        raise _Aborted(code, details)
+
+
+def peer_allowed(uid: int) -> bool:
+    """A peer of the store's user, or root, may connect."""
+    return uid in (os.geteuid(), 0)
+
+
+class LocalChannel:
+    def __init__(self, service) -> None:
+        self.service = service
+        self.address = "\0kvstore-local-" + os.urandom(8).hex()  # no file to leave behind
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.address)
+        self._listener.listen(MAX_CLIENTS)
+        self._lock = threading.Lock()  # guards the two below and calls
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._stopping = False
+        self.calls: Counter[str] = Counter()
+        self._acceptor = threading.Thread(
+            target=self._accept, name="kvstore-local-accept", daemon=True
+        )
+
+    def start(self) -> None:
+        self._acceptor.start()
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Take no more connections or calls; a call under way may finish within ``grace_s``."""
+        with self._lock:
+            self._stopping = True
+            conns = dict(self._conns)
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RD)  # its reader wakes; an answer can still go out
+        for thread in conns.values():
+            thread.join(grace_s)
+        self._acceptor.join(grace_s)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # the listener was closed: stop() ran
+            pid, uid, _ = _PEERCRED.unpack(
+                conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+            )
+            with self._lock:
+                refuse = self._stopping or len(self._conns) >= MAX_CLIENTS
+                if not refuse and peer_allowed(uid):
+                    thread = threading.Thread(
+                        target=self._serve, args=(conn, pid), name="kvstore-local", daemon=True
+                    )
+                    self._conns[conn] = thread
+                    thread.start()
+                    continue
+            if not peer_allowed(uid):
+                log.warning("refused a local connection from uid %d (pid %d)", uid, pid)
+            conn.close()
+
+    def _serve(self, conn: socket.socket, pid: int) -> None:
+        try:
+            conn.settimeout(HELLO_TIMEOUT_S)
+            tag, body = recv_frame(conn)
+            if tag != HELLO:
+                raise FrameError(f"the first frame must be a hello, not tag {tag}")
+            context = _Context(pid, body.decode("utf-8", "replace"))
+            conn.settimeout(None)
+            while True:
+                tag, body = recv_frame(conn)
+                code, answer = self._answer(tag, body, context)
+                send_frame(conn, code.value[0], answer)
+        except (EOFError, OSError):
+            pass  # the client went away (or stop() woke us)
+        except FrameError as exc:
+            log.info("hung up on a local client (pid %d): %s", pid, exc)
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
+            conn.close()
+
+    def _answer(self, tag: int, body: bytes, context: _Context) -> tuple[grpc.StatusCode, bytes]:
+        if tag not in METHODS:
+            return grpc.StatusCode.UNIMPLEMENTED, f"no method has tag {tag} here".encode()
+        name, request_type, _ = METHODS[tag]
+        try:
+            request = request_type.FromString(body)
+        except Exception as exc:  # a client's bytes: its fault, not the store's
+            return (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{name}: the request did not parse: {exc}".encode(),
+            )
+        with self._lock:
+            self.calls[name] += 1
+        try:
+            response = getattr(self.service, name)(request, context)
+        except _Aborted as exc:
+            return exc.code, exc.details.encode()
+        return grpc.StatusCode.OK, response.SerializeToString()
