@@ -1,4 +1,5 @@
-"""Lookup latency over TCP loopback, idle and while another process streams 64 MiB puts.
+"""Lookup latency over TCP loopback, idle and while another process streams 64 MiB puts
+(and idle over the store's same-host socket).
 
 Offers ``start_store(tmp, put_bytes)`` (the store under test as ``kvstore serve`` runs
 it, put process included, started in the benchmark's server process), ``tiered_store``
@@ -307,7 +308,8 @@ def _puts_elsewhere(client, chains, puts: int, max_seconds: float):
 
 
 def lookup_latency(target: str, idle_calls: int, puts: int, max_seconds: float) -> dict:
-    """Lookup p50/p99 idle, then under six streams of 64 MiB puts.
+    """Lookup p50/p99 idle, then under six streams of 64 MiB puts, over gRPC; then idle
+    over the store's same-host socket (``_idle_local``).
 
     Keys without a tag: Llama-3-8B bf16 chunks over TCP, each in 1 MiB parts;
     ``_4mib_parts``: the same in 4 MiB parts;
@@ -320,7 +322,9 @@ def lookup_latency(target: str, idle_calls: int, puts: int, max_seconds: float) 
     ``_elsewhere``: the first stream again, into a second store in another process (the
     bound: the same load on the host's cores, none on the lookup store's process).
     """
-    with KVStoreClient(target) as client:
+    # over gRPC, as the store's other-host clients (and its same-host ones before the
+    # same-host socket) look up; the socket's idle figures are taken after, for comparison
+    with KVStoreClient(target, ClientOptions(local_calls=False)) as client:
         chains = _store_chains(client)
         _timed_lookups(client, chains, lambda n: n >= 20)  # warm up
         idle, big, big_report = _under_puts(
@@ -340,12 +344,18 @@ def lookup_latency(target: str, idle_calls: int, puts: int, max_seconds: float) 
             client, chains, target, "llama8b_bf16_to_store", puts, max_seconds, 0
         )
         _, elsewhere, elsewhere_report = _puts_elsewhere(client, chains, puts, max_seconds)
+    with KVStoreClient(target) as local:
+        _timed_lookups(local, chains, lambda n: n >= 20)  # warm up
+        socket_idle = _timed_lookups(local, chains, lambda n: n >= idle_calls)
     p = _pct(idle[0])
+    q = _pct(socket_idle[0])
     return {
         "lookup_p50_idle_ms": round(p["p50"], 3),
         "lookup_p99_idle_ms": round(p["p99"], 3),
         "lookup_max_idle_ms": round(p["max"], 3),
         "lookup_idle_calls": len(idle[0]),
+        "lookup_p50_idle_local_ms": round(q["p50"], 3),
+        "lookup_p99_idle_local_ms": round(q["p99"], 3),
         **_put_figures(big, big_report, ""),
         **_put_figures(four, four_report, "_4mib_parts"),
         **_put_figures(whole, whole_report, "_whole_chunks"),
@@ -354,6 +364,6 @@ def lookup_latency(target: str, idle_calls: int, puts: int, max_seconds: float) 
         **_put_figures(itself, itself_report, "_to_store"),
         **_put_figures(elsewhere, elsewhere_report, "_elsewhere"),
         "lookup_wrong_matches": sum(
-            run[1] for run in (idle, big, four, whole, small, shm, itself, elsewhere)
+            run[1] for run in (idle, big, four, whole, small, shm, itself, elsewhere, socket_idle)
         ),
     }

@@ -118,7 +118,12 @@ class SchedulerHalf(NodeCoordination):
             from kvstore.client import ClientOptions
             from kvstore.client.shards import connect
 
-            opts = ClientOptions(timeout_s=self.config.lookup_timeout_s, retries=0)
+            # transport tcp (or local_calls off): gRPC only, also for what the socket takes
+            opts = ClientOptions(
+                timeout_s=self.config.lookup_timeout_s,
+                retries=0,
+                local_calls=self.config.local_calls and self.config.same_host,
+            )
             self._client = connect(self.config.store, opts)
         return self._client
 

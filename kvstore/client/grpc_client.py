@@ -141,8 +141,8 @@ class ClientOptions:
     # send puts (those not over shared memory) to the store's put process when it has one
     # (it says so in Routes), so that they do not slow its lookups; False: to the store
     route_puts: bool = True
-    # send a same-host put's ReserveShm and CommitShm over the store's Unix socket when it
-    # names one (Routes; kvstore.client.local_calls): a gRPC call costs 0.4-1 ms more
+    # send ReserveShm, CommitShm, Lookup and GetShm to a store on this host over its Unix
+    # socket when it names one (Routes; kvstore.client.local_calls): gRPC costs 0.4-1 ms more
     local_calls: bool = True
 
     def __post_init__(self) -> None:

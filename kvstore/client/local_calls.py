@@ -1,18 +1,19 @@
-"""Same-host put calls over the store's Unix socket instead of gRPC.
+"""Same-host calls over the store's Unix socket instead of gRPC.
 
 Offers ``LocalCalls(target, channel, token)`` with ``call(name, request, timeout_s)``,
 ``close()``, ``LocalCallError`` and ``LOCAL_METHODS``. A store that offers shared memory also
-answers ``ReserveShm`` and ``CommitShm`` on an abstract Unix socket, which it names in
-``Routes`` (``kvstore.server.local_channel``; why: ``kvstore.rpc.local_wire``). The
-client asks ``Routes`` on the first such call (then at most every ``REASK_S`` while the
-store names no socket, or after it could not be reached) and keeps one connection per
-thread (and per process: a forked child never writes to its parent's).
+answers ``ReserveShm``, ``CommitShm``, ``Lookup`` and ``GetShm`` on an abstract Unix socket,
+which it names in ``Routes`` (``kvstore.server.local_channel``; why:
+``kvstore.rpc.local_wire``). The client asks ``Routes`` on the first such call (then at most
+every ``REASK_S`` while the store names no socket, or after it could not be reached) and
+keeps one connection per thread (and per process: a forked child never writes to its
+parent's).
 
 ``call`` returns None where the call should go over gRPC instead: the target is not on
 this host, the store names no socket, the connection cannot be made (another network
-namespace, a store over its limit of connections), or a ``ReserveShm`` found the
-connection gone before its answer came (a second reservation only lapses, as when gRPC
-retries one). A ``CommitShm`` whose answer was lost is not sent again (its ticket may be
+namespace, a store over its limit of connections), or the connection was gone before the
+answer came to a call gRPC would retry (``RESENT``: a second lease or reservation only
+lapses). A ``CommitShm`` whose answer was lost is not sent again (its ticket may be
 spent): ``UNAVAILABLE``, as from gRPC. The store's own refusals come back as
 ``LocalCallError`` with gRPC's status code and message.
 """
@@ -32,6 +33,9 @@ from kvstore.rpc.local_wire import HELLO, METHODS, TAGS, FrameError, recv_frame,
 from kvstore.rpc.pb import SERVICE, pb
 
 LOCAL_METHODS = frozenset(TAGS)  # the calls a store's socket answers
+# those sent again over gRPC when their answer was lost (gRPC itself retries them): a
+# second lease or room only lapses. CommitShm's ticket may be spent: never sent twice.
+RESENT = frozenset({"ReserveShm", "Lookup", "GetShm"})
 REASK_S = 10.0  # as kvstore.client.put_routes
 ASK_TIMEOUT_S = 2.0
 _LOOPBACK = ("localhost", "127.", "[::1]", "::1")
@@ -91,7 +95,7 @@ class LocalCalls:
             ) from None
         except (OSError, EOFError, FrameError) as exc:
             self._drop(sock, address)
-            if name == "ReserveShm":
+            if name in RESENT:
                 return None
             raise LocalCallError(
                 grpc.StatusCode.UNAVAILABLE, f"the store's local socket closed: {exc}"

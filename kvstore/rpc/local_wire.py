@@ -4,8 +4,9 @@ A gRPC call between two processes of one host costs 0.4-1 ms on this project's m
 most of it threads of gRPC's waking one another, and more the longer the store sat idle
 before it (a store idle for 8 ms: 1.0 ms just for the request to reach the handler); the
 same request over a Unix socket takes 0.03-0.1 ms. A same-host put makes two such calls
-(``ReserveShm``, ``CommitShm``), so the store also answers those two on an abstract Unix
-socket, with the same servicer, checks, metrics and errors as over gRPC.
+(``ReserveShm``, ``CommitShm``) and a same-host load at least one (``Lookup``, maybe
+``GetShm``), so the store also answers those four on an abstract Unix socket, with the
+same servicer, checks, metrics and errors as over gRPC.
 
 Offers ``METHODS`` (the calls the socket serves, and their message types), ``HELLO``,
 ``MAX_FRAME``, ``send_frame``/``recv_frame`` and ``FrameError``.
@@ -33,6 +34,8 @@ MAX_FRAME = 16 << 20
 METHODS = {
     1: ("ReserveShm", pb.ReserveShmRequest, pb.ShmReservation),
     2: ("CommitShm", pb.CommitShmRequest, pb.PutResponse),
+    3: ("Lookup", pb.LookupRequest, pb.LookupResponse),
+    4: ("GetShm", pb.GetShmRequest, pb.ShmBatch),
 }
 TAGS = {name: tag for tag, (name, _, _) in METHODS.items()}
 

@@ -143,7 +143,8 @@ class ServerConfig(_Section):
         "", "host:port of the put process; empty: listen's host, a free port (told to clients)"
     )
     local_channel: Bool = _opt(
-        True, "with shm, answer same-host put calls on a Unix socket too (not with mTLS)"
+        True,
+        "with shm, answer same-host clients on a Unix socket too, not only gRPC (not with mTLS)",
     )
 
     def _check(self) -> None:

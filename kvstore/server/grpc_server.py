@@ -5,7 +5,7 @@ Offers ``StoreServer(store, listen, limits, ..., credentials, tenants, local_cha
 ``start()`` (returns the bound port), ``stop()`` (refuse new calls, finish
 in-flight ones, flush and close the store) and ``wait()``. A stop never cuts an
 in-flight call short before ``grace_s`` has passed. Where it offers shared memory
-(``limits.shm``) and ``local_channel`` is on, it also answers same-host put calls on a
+(``limits.shm``) and ``local_channel`` is on, it also answers same-host calls on a
 Unix socket (``kvstore.server.local_channel``), which ``Routes`` names.
 """
 

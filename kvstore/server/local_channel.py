@@ -1,4 +1,5 @@
-"""The store's same-host socket: ``ReserveShm`` and ``CommitShm`` without gRPC.
+"""The store's same-host socket: ``ReserveShm``, ``CommitShm``, ``Lookup`` and ``GetShm``
+without gRPC.
 
 Offers ``LocalChannel(service)`` with ``start()``, ``stop(grace_s)``, ``address`` (an
 abstract Unix socket's name, which ``Routes`` hands to clients) and ``calls`` (answered
@@ -28,6 +29,7 @@ from collections import Counter
 import grpc
 
 from kvstore.rpc.local_wire import HELLO, METHODS, FrameError, recv_frame, send_frame
+from kvstore.server.service_calls import Abort
 
 log = logging.getLogger(__name__)
 MAX_CLIENTS = 64
@@ -44,8 +46,11 @@ class _Aborted(Exception):
 class _Context:
     """What the servicer asks of a gRPC context, for one local connection."""
 
-    def __init__(self, pid: int, token: str) -> None:
-        self._peer = f"unix:local-pid-{pid}"
+    def __init__(self, token: str) -> None:
+        # what a same-host gRPC caller is (over IPv4 loopback, the default listen address):
+        # one client to the quotas, so a lease taken here and released over gRPC (or the
+        # other way round, after a fallback) ends in the same count
+        self._peer = "ipv4:127.0.0.1:0"
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
     def peer(self) -> str:
@@ -127,7 +132,7 @@ class LocalChannel:
             tag, body = recv_frame(conn)
             if tag != HELLO:
                 raise FrameError(f"the first frame must be a hello, not tag {tag}")
-            context = _Context(pid, body.decode("utf-8", "replace"))
+            context = _Context(body.decode("utf-8", "replace"))
             conn.settimeout(None)
             while True:
                 tag, body = recv_frame(conn)
@@ -146,17 +151,24 @@ class LocalChannel:
         if tag not in METHODS:
             return grpc.StatusCode.UNIMPLEMENTED, f"no method has tag {tag} here".encode()
         name, request_type, _ = METHODS[tag]
-        try:
-            request = request_type.FromString(body)
-        except Exception as exc:  # a client's bytes: its fault, not the store's
-            return (
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{name}: the request did not parse: {exc}".encode(),
-            )
         with self._lock:
             self.calls[name] += 1
         try:
-            response = getattr(self.service, name)(request, context)
+            request = request_type.FromString(body)
+            method = getattr(self.service, name)
+        except Exception as exc:  # a client's bytes: refused, and counted, as over gRPC
+            error = f"malformed {request_type.DESCRIPTOR.name}: {exc}"
+            request = None
+
+            def method(request, context):
+                return self.service._call(name, context, lambda caller: _refuse(error))
+
+        try:
+            response = method(request, context)
         except _Aborted as exc:
             return exc.code, exc.details.encode()
         return grpc.StatusCode.OK, response.SerializeToString()
+
+
+def _refuse(error: str):
+    raise Abort(grpc.StatusCode.INVALID_ARGUMENT, error, "malformed_request")

@@ -1,17 +1,19 @@
 """What the connector says or refuses at start, on vLLM's own ``VllmConfig`` (no engine).
 
 Pipeline parallelism is refused with a message that says why; an engine whose failed
-loads would fail requests (vLLM's default ``kv_load_failure_policy``) is warned about.
+loads would fail requests (vLLM's default ``kv_load_failure_policy``) is warned about;
+every setting of ``ConnectorConfig`` is taken from ``kv_connector_extra_config``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
 import pytest
 
-from connector.config import ConnectorConfigError
+from connector.config import ConnectorConfig, ConnectorConfigError
 
 pytest.importorskip("vllm")
 
@@ -63,3 +65,16 @@ def test_a_policy_that_fails_requests_on_a_failed_load_is_warned_about(model, ca
         config = vllm_config(model, kv_load_failure_policy="recompute")
         KVStoreConnector(config, KVConnectorRole.SCHEDULER, None).shutdown()
     assert "kv_load_failure_policy" not in caplog.text
+
+
+def test_every_setting_can_be_given_in_the_extra_config():
+    defaults = dataclasses.replace(ConnectorConfig(), chunk_tokens=32)
+    extra = {
+        f.name: getattr(defaults, f.name)
+        for f in dataclasses.fields(ConnectorConfig)
+        if getattr(defaults, f.name) is not None  # namespace_salt: None is "not given"
+    }
+    assert ConnectorConfig.from_extra(extra, 32) == defaults
+    flipped = {k: not v for k, v in extra.items() if isinstance(v, bool)}
+    got = ConnectorConfig.from_extra({**extra, **flipped}, 32)
+    assert {k: getattr(got, k) for k in flipped} == flipped

@@ -76,7 +76,8 @@ def rig(model, tmp_path_factory):
             model,
             [
                 producer(connector(state["direct"])),
-                connector(f"localhost:{proxy.port}", load_timeout_s=2.0),
+                # gRPC only: the store's same-host socket would go around the proxy
+                connector(f"localhost:{proxy.port}", load_timeout_s=2.0, local_calls=False),
             ],
             # faults are where the layout matters: vLLM's engine core in its own process
             env=SEPARATE_CORE,

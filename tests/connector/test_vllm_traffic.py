@@ -67,7 +67,8 @@ def traffic(model, tmp_path_factory):
     work = tmp_path_factory.mktemp("traffic")
     store = Served([KVSTORE, "serve", "--config", str(store_config(work / "kv.yaml", work / "db"))])
     proxy = StoreProxy(store.address)
-    conn = kv_transfer_config(proxy.address, "raw", CHUNK, lookup_timeout_s=1.0)
+    # gRPC only: the store's same-host socket would go around the proxy
+    conn = kv_transfer_config(proxy.address, "raw", CHUNK, lookup_timeout_s=1.0, local_calls=False)
     conn["kv_load_failure_policy"] = "recompute"  # as the README's examples set it
     ref, node = start_engines(model, [None, conn], ENGINE)
     yield {"store": store, "proxy": proxy, "ref": ref, "node": node, "model": model}

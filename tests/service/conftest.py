@@ -60,7 +60,9 @@ def served(serve) -> Served:
 
 @pytest.fixture
 def client(served):
-    with KVStoreClient(served.address, ClientOptions(timeout_s=10.0)) as c:
+    """A client that keeps to gRPC: the same-host socket has its own tests (and the shm
+    tests run over both), and a client made without options uses it."""
+    with KVStoreClient(served.address, ClientOptions(timeout_s=10.0, local_calls=False)) as c:
         yield c
 
 

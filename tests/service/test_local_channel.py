@@ -21,6 +21,7 @@ from kvstore.rpc.pb import pb
 from kvstore.rpc.tls import ClientAuth
 from kvstore.server.auth import Tenants
 from kvstore.server.metrics import Metrics
+from kvstore.server.service import Limits
 from tests.chunks import chain
 from tests.service.conftest import keys_of, payloads_of
 from tests.service.test_real_sizes import llama_chains
@@ -194,7 +195,7 @@ def test_hostile_frames_are_refused_and_the_socket_keeps_serving(served):
     assert code == grpc.StatusCode.UNIMPLEMENTED.value[0] and b"tag 200" in body
     send_frame(sock, TAGS["CommitShm"], b"\xff\xff\xff")
     code, body = recv_frame(sock)
-    assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"did not parse" in body
+    assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"malformed" in body
     send_frame(sock, TAGS["CommitShm"], pb.CommitShmRequest(ticket=12345).SerializeToString())
     code, _ = recv_frame(sock)
     assert code == grpc.StatusCode.NOT_FOUND.value[0]
@@ -272,3 +273,42 @@ def test_a_forked_child_opens_a_connection_of_its_own(served):
         assert os.read(read, 1) == b"y"
         os.close(read)
         assert c._local._mine.conn[2] is parent  # the parent's own is untouched
+
+
+def test_leased_lookups_and_shm_gets_over_the_socket_read_the_stored_bytes(serve, open_store):
+    fp8, _ = llama_chains(2, seed=12)
+    served = serve(open_store(dram_slots=4096, nvme_bytes=0))  # 128 MiB
+    with KVStoreClient(served.address, ClientOptions(**QUICK)) as c:
+        assert c.put(fp8, shm=True).stored == 2
+        keys = keys_of(fp8)
+        found = c.lookup(keys, lease_ttl_s=10.0, shm=True)
+        assert (found.matched, found.lease_id is not None, found.shm is not None) == (2, True, True)
+        views = c.shm_views(keys, grant=found.shm)
+        assert [bytes(v) for v in views.views] == payloads_of(fp8)
+        assert views.end() == 2
+        dests = [bytearray(len(p)) for p in payloads_of(fp8)]
+        assert c.get_shm_into(keys, dests) == 2
+        assert [bytes(d) for d in dests] == payloads_of(fp8)
+        c.wait_releases()
+        assert c.stats().active_leases == 0
+    calls = local_of(served).calls
+    assert calls["Lookup"] == 1 and calls["GetShm"] == 1
+
+
+def test_a_lease_taken_over_the_socket_and_released_over_grpc_frees_the_quota(serve):
+    served = serve(limits=Limits(max_leases_per_client=2))
+    records = chain(2, seed=50)
+    keys = keys_of(records)
+    grpc_only = ClientOptions(local_calls=False, **QUICK)
+    with (
+        KVStoreClient(served.address, ClientOptions(**QUICK)) as local,
+        KVStoreClient(served.address, grpc_only) as remote,
+    ):
+        assert local.put(records).stored == 2
+        leases = [local.lookup(keys, lease_ttl_s=60).lease_id for _ in range(2)]
+        with pytest.raises(ClientError) as err:
+            local.lookup(keys, lease_ttl_s=60)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert local_of(served).calls["Lookup"] == 3
+        remote.release(leases[0])  # one client of this host, whichever way it calls
+        assert local.lookup(keys, lease_ttl_s=60).lease_id

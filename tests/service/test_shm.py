@@ -1,4 +1,6 @@
-"""The shared-memory data plane: Get with shm handles under a lease, same host."""
+"""The shared-memory data plane: Get with shm handles under a lease, same host. The
+``client`` fixture here makes the tests run twice: with ``Lookup`` and ``GetShm`` over the
+store's same-host socket (the default) and over gRPC."""
 
 from __future__ import annotations
 
@@ -19,6 +21,13 @@ from kvstore.server.service import KVStoreService, Limits
 from tests.chunks import CHUNK_COST, chain
 from tests.service.conftest import keys_of, payloads_of
 from tests.shm_regions import mapped_here, resident_kib
+
+
+@pytest.fixture(params=["local", "grpc"])
+def client(served, request):
+    options = ClientOptions(timeout_s=10.0, local_calls=request.param == "local")
+    with KVStoreClient(served.address, options) as c:
+        yield c
 
 
 def read_region(handle: pb.ShmHandle) -> bytes:
