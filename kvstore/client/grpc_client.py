@@ -325,12 +325,15 @@ class KVStoreClient:
         """``fn(*args, timeout=...)``; gRPC has made every attempt the channel allows."""
         timeout = timeout_s if timeout_s is not None else self.options.timeout_s
         if self._local is not None and name in LOCAL_METHODS:
+            t0 = time.monotonic()
             try:
                 reply = self._local.call(name, args[0], timeout)
             except LocalCallError as exc:
                 raise ClientError(name, exc.code, exc.details) from None
             if reply is not None:
                 return reply
+            if timeout is not None:  # gRPC gets what is left of the call's time
+                timeout = max(0.001, timeout - (time.monotonic() - t0))
         try:
             return fn(*args, timeout=timeout)
         except grpc.RpcError as exc:

@@ -11,10 +11,14 @@ parent's).
 
 ``call`` returns None where the call should go over gRPC instead: the target is not on
 this host, the store names no socket, the connection cannot be made (another network
-namespace, a store over its limit of connections), or the connection was gone before the
-answer came to a call gRPC would retry (``RESENT``: a second lease or reservation only
-lapses). A ``CommitShm`` whose answer was lost is not sent again (its ticket may be
-spent): ``UNAVAILABLE``, as from gRPC. The store's own refusals come back as
+namespace; a store over its limit of connections or stopping, which says so in answer to
+the hello; a listener of another user, which may have taken the name of a store that
+stopped and is never sent the token), the request is over the socket's frame limit, or
+the connection was gone before the answer came to a call gRPC would retry (``RESENT``: a
+second lease or reservation only lapses). A ``CommitShm`` whose answer was lost is not
+sent again (its ticket may be spent): ``UNAVAILABLE``, as from gRPC. A call interrupted
+between its request and its answer (a timeout, an exception) ends its connection, so no
+answer is ever read as another call's. The store's own refusals come back as
 ``LocalCallError`` with gRPC's status code and message.
 """
 
@@ -29,7 +33,18 @@ import weakref
 
 import grpc
 
-from kvstore.rpc.local_wire import HELLO, METHODS, TAGS, FrameError, recv_frame, send_frame
+from kvstore.rpc.local_wire import (
+    HELLO,
+    MAX_FRAME,
+    METHODS,
+    TAGS,
+    FrameError,
+    FrameTimeout,
+    peer_allowed,
+    peer_uid,
+    recv_frame,
+    send_frame,
+)
 from kvstore.rpc.pb import SERVICE, pb
 
 LOCAL_METHODS = frozenset(TAGS)  # the calls a store's socket answers
@@ -71,25 +86,33 @@ class LocalCalls:
         self._mine = threading.local()  # this thread's (pid, address, socket)
         self._sockets: weakref.WeakSet[socket.socket] = weakref.WeakSet()
 
-    def call(self, name: str, request, timeout_s: float):
-        """The store's answer to ``name`` over its socket, or None: use gRPC."""
+    def call(self, name: str, request, timeout_s: float | None):
+        """The store's answer to ``name`` over its socket, or None: use gRPC (with what is
+        left of ``timeout_s``; None: no deadline)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         address = self._route(timeout_s) if self._enabled else ""
         if not address.startswith("\0"):  # only ever an abstract socket: never a file
             return None
-        sock = self._socket(address, timeout_s)
+        sock = self._socket(address, deadline)
         if sock is None:
             return None
         tag = TAGS[name]
         try:
-            sock.settimeout(timeout_s)
-            send_frame(sock, tag, request.SerializeToString())
+            body = request.SerializeToString()
+            if len(body) > MAX_FRAME:
+                return None  # gRPC says what is wrong with so large a request
+            sock.settimeout(_left(deadline))
+            send_frame(sock, tag, body)
         except OSError:  # the store closed it (restarted, stopping): it read no request
             self._drop(sock, address)
             return None
-        try:
-            code, body = recv_frame(sock)
-        except TimeoutError:  # the answer may still come: it must not be read as the next one's
+        except BaseException:  # the request may be half sent: this connection is done
             self._drop(sock)
+            raise
+        try:
+            code, body = recv_frame(sock, _left(deadline))
+        except (TimeoutError, FrameTimeout):  # a late answer must not be read as the next
+            self._drop(sock)  # call's: this connection is done
             raise LocalCallError(
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s} s"
             ) from None
@@ -100,6 +123,9 @@ class LocalCalls:
             raise LocalCallError(
                 grpc.StatusCode.UNAVAILABLE, f"the store's local socket closed: {exc}"
             ) from None
+        except BaseException:  # interrupted: the answer may still come, on this connection
+            self._drop(sock)
+            raise
         if code != grpc.StatusCode.OK.value[0]:
             status = _CODES.get(code, grpc.StatusCode.UNKNOWN)
             raise LocalCallError(status, body.decode("utf-8", "replace"))
@@ -112,37 +138,51 @@ class LocalCalls:
         for sock in socks:
             sock.close()
 
-    def _route(self, timeout_s: float) -> str:
+    def _route(self, timeout_s: float | None) -> str:
         with self._lock:
             ask = not (self._address or self._asking) and time.monotonic() >= self._next_ask
             self._asking |= ask
         if ask:
+            address = ""
             try:
-                address = self._routes(
-                    pb.RoutesRequest(), timeout=min(timeout_s, ASK_TIMEOUT_S)
-                ).local_socket
+                wait = ASK_TIMEOUT_S if timeout_s is None else min(timeout_s, ASK_TIMEOUT_S)
+                address = self._routes(pb.RoutesRequest(), timeout=wait).local_socket
             except (grpc.RpcError, ValueError):  # no answer, an older store, a closed channel
-                address = ""
-            with self._lock:
-                self._address, self._asking = address, False
-                self._next_ask = time.monotonic() + REASK_S
+                pass
+            finally:  # whatever ended the question, the next one comes REASK_S later
+                with self._lock:
+                    self._address, self._asking = address, False
+                    self._next_ask = time.monotonic() + REASK_S
         with self._lock:
             return "" if self._closed else self._address
 
-    def _socket(self, address: str, timeout_s: float) -> socket.socket | None:
-        """This thread's connection to ``address``, made (and greeted) when it has none."""
+    def _socket(self, address: str, deadline: float | None) -> socket.socket | None:
+        """This thread's connection to ``address``, made, checked and greeted when it has
+        none; None when the store cannot be reached that way (then calls use gRPC until
+        the next ``Routes`` question)."""
         mine = getattr(self._mine, "conn", None)
         if mine is not None and mine[0] == os.getpid() and mine[1] == address:
             return mine[2]
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.settimeout(min(timeout_s, ASK_TIMEOUT_S))
+            wait = _left(deadline)
+            sock.settimeout(ASK_TIMEOUT_S if wait is None else min(wait, ASK_TIMEOUT_S))
             sock.connect(address)
+            # whoever listens on that name now must be the store's user (or root): a name
+            # let go by a store that stopped can be taken by anyone, who would get the token
+            if not peer_allowed(peer_uid(sock)):
+                raise ConnectionRefusedError("the socket is another user's")
             send_frame(sock, HELLO, self._token)
-        except OSError:
+            code, _ = recv_frame(sock, sock.gettimeout())
+            if code != grpc.StatusCode.OK.value[0]:  # too many clients, stopping: use gRPC
+                raise ConnectionRefusedError("the store turned the connection down")
+        except (OSError, EOFError, FrameError):
             sock.close()
             self._failed(address)
             return None
+        except BaseException:
+            sock.close()
+            raise
         with self._lock:
             if self._closed:
                 sock.close()
@@ -164,3 +204,8 @@ class LocalCalls:
             if self._address == address:
                 self._address = ""
                 self._next_ask = time.monotonic() + REASK_S
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds to ``deadline`` (at least a millisecond, so a timeout is never "none")."""
+    return None if deadline is None else max(0.001, deadline - time.monotonic())

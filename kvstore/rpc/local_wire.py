@@ -8,20 +8,25 @@ same request over a Unix socket takes 0.03-0.1 ms. A same-host put makes two suc
 ``GetShm``), so the store also answers those four on an abstract Unix socket, with the
 same servicer, checks, metrics and errors as over gRPC.
 
-Offers ``METHODS`` (the calls the socket serves, and their message types), ``HELLO``,
-``MAX_FRAME``, ``send_frame``/``recv_frame`` and ``FrameError``.
+Offers ``METHODS`` (the calls the socket serves, and their message types), ``TAGS``,
+``HELLO``, ``MAX_FRAME``, ``send_frame``/``recv_frame``, ``FrameError``/``FrameTimeout`` and
+``peer_uid``/``peer_allowed`` (who either end talks to).
 
 A frame is a 5-byte header, ``<IB``: the body's length and a tag, then the body. A client
-sends first a hello (tag ``HELLO``, the body its bearer token, maybe empty), then requests
-(the tag names the method, the body is its protobuf request), one at a time; the store
-answers each request with one frame whose tag is the gRPC status code's number and whose
-body is the protobuf response (``OK``) or the error's message in UTF-8.
+sends first a hello (tag ``HELLO``, the body its bearer token, maybe empty) and waits for
+the store's answer to it (``OK``, or a refusal such as ``UNAVAILABLE`` when it has too many
+connections: then the client uses gRPC); then requests (the tag names the method, the body
+is its protobuf request), one at a time. The store answers each request with one frame
+whose tag is the gRPC status code's number and whose body is the protobuf response
+(``OK``) or the error's message in UTF-8.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
+import time
 
 from kvstore.rpc.pb import pb
 
@@ -38,36 +43,70 @@ METHODS = {
     4: ("GetShm", pb.GetShmRequest, pb.ShmBatch),
 }
 TAGS = {name: tag for tag, (name, _, _) in METHODS.items()}
+_PIECE = 1 << 20  # bytes read at a time
+
+
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The user id of the process at the other end of a connected Unix socket."""
+    return _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+
+
+def peer_allowed(uid: int) -> bool:
+    """Both ends talk only to a process of their own user, or root: the store's peers may
+    map its shared memory anyway, and a client sends its token only to such a store."""
+    return uid in (os.geteuid(), 0)
 
 
 class FrameError(Exception):
     """The peer went away mid-frame, or sent a frame no peer of this protocol sends."""
 
 
+class FrameTimeout(FrameError):
+    """The peer took longer than its deadline to finish a frame."""
+
+
 def send_frame(sock: socket.socket, tag: int, body: bytes) -> None:
+    """``FrameError`` (nothing sent) for a body over ``MAX_FRAME``."""
     if len(body) > MAX_FRAME:
         raise FrameError(f"a frame of {len(body)} B is over the limit of {MAX_FRAME} B")
     sock.sendall(HEADER.pack(len(body), tag) + body)
 
 
-def recv_frame(sock: socket.socket) -> tuple[int, bytes]:
-    """``(tag, body)``; ``EOFError`` when the peer closed between frames."""
-    head = _recv_exact(sock, HEADER.size, between=True)
+def recv_frame(sock: socket.socket, within_s: float | None = None) -> tuple[int, bytes]:
+    """``(tag, body)``; ``EOFError`` when the peer closed between frames.
+
+    Waits for a frame's first byte as the socket's own timeout says (none: for ever); the
+    rest must come within ``within_s`` of it (``FrameError`` if not), so a peer that sends
+    a frame a byte at a time cannot hold the reader past that. The body is read into a
+    buffer that grows as bytes come, never sized by the header alone.
+    """
+    first = sock.recv(1)
+    if not first:
+        raise EOFError("the peer closed the socket")
+    deadline = None if within_s is None else time.monotonic() + within_s
+    head = first + _recv_exact(sock, HEADER.size - 1, deadline)
     length, tag = HEADER.unpack(head)
     if length > MAX_FRAME:
         raise FrameError(f"a frame of {length} B is over the limit of {MAX_FRAME} B")
-    return tag, _recv_exact(sock, length)
+    return tag, _recv_exact(sock, length, deadline)
 
 
-def _recv_exact(sock: socket.socket, n: int, between: bool = False) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if not k:
-            if between and got == 0:
-                raise EOFError("the peer closed the socket")
-            raise FrameError(f"the peer closed the socket {got} B into a {n} B read")
-        got += k
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise FrameTimeout(f"a frame was {len(buf)} of {n} B short at its deadline")
+            sock.settimeout(left)
+        try:
+            piece = sock.recv(min(n - len(buf), _PIECE))
+        except TimeoutError:
+            raise FrameTimeout(f"a frame was {len(buf)} of {n} B short at its deadline") from None
+        if not piece:
+            raise FrameError(f"the peer closed the socket {len(buf)} B into a {n} B read")
+        buf += piece
     return bytes(buf)

@@ -9,11 +9,13 @@ Each call goes to the very servicer method gRPC calls (``KVStoreService.ReserveS
 with a context that says the peer is local and carries the token of the client's hello:
 authentication, tenants, quotas, draining, metrics and error codes are the same as over
 gRPC. Who may connect: a process of the store's own user, or root; they can map the
-store's shared memory anyway. Anyone else is hung up on before a byte is read. A client
-that sends a frame no client sends (over the size limit, cut short) is hung up on; one
-that names no method this socket serves, or sends a request that does not parse, is told
-so and may go on. Never more than ``MAX_CLIENTS`` connections: a client over the limit is
-hung up on and uses gRPC.
+store's shared memory anyway. Anyone else is hung up on before a byte is read or sent.
+A hello is answered (``OK``) before any call, so a client over the limit of
+``MAX_CLIENTS`` connections, or one that reached a stopping store, is told so
+(``UNAVAILABLE``) before it sends a call, and uses gRPC. A client that sends a frame no
+client sends (over the size limit, cut short, not finished ``FRAME_TIMEOUT_S`` after it
+began, no hello within ``HELLO_TIMEOUT_S``) is hung up on; one that names no method this
+socket serves, or sends a request that does not parse, is told so and may go on.
 """
 
 from __future__ import annotations
@@ -22,19 +24,28 @@ import contextlib
 import logging
 import os
 import socket
-import struct
 import threading
+import time
 from collections import Counter
 
 import grpc
 
-from kvstore.rpc.local_wire import HELLO, METHODS, FrameError, recv_frame, send_frame
+from kvstore.rpc.local_wire import (
+    HELLO,
+    METHODS,
+    FrameError,
+    peer_allowed,
+    peer_uid,
+    recv_frame,
+    send_frame,
+)
 from kvstore.server.service_calls import Abort
 
 log = logging.getLogger(__name__)
 MAX_CLIENTS = 64
-HELLO_TIMEOUT_S = 5.0
-_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+HELLO_TIMEOUT_S = 5.0  # a connection's hello must have come by then
+FRAME_TIMEOUT_S = 30.0  # a frame's bytes must all have come this long after its first
+LOCAL_PEER = "unix:kvstore-local"  # what the servicer sees as the caller's address
 
 
 class _Aborted(Exception):
@@ -44,17 +55,16 @@ class _Aborted(Exception):
 
 
 class _Context:
-    """What the servicer asks of a gRPC context, for one local connection."""
+    """What the servicer asks of a gRPC context, for one local connection. Its peer is
+    local, so to the quotas it is the same client as any caller of this host over gRPC
+    (``service_calls.client_of``): a lease taken here and released over gRPC (or the
+    other way round, after a fallback) ends in the same count."""
 
     def __init__(self, token: str) -> None:
-        # what a same-host gRPC caller is (over IPv4 loopback, the default listen address):
-        # one client to the quotas, so a lease taken here and released over gRPC (or the
-        # other way round, after a fallback) ends in the same count
-        self._peer = "ipv4:127.0.0.1:0"
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
     def peer(self) -> str:
-        return self._peer
+        return LOCAL_PEER
 
     def invocation_metadata(self):
         return self._metadata
@@ -66,11 +76,6 @@ class _Context:
         raise _Aborted(code, details)
 
 
-def peer_allowed(uid: int) -> bool:
-    """A peer of the store's user, or root, may connect."""
-    return uid in (os.geteuid(), 0)
-
-
 class LocalChannel:
     def __init__(self, service) -> None:
         self.service = service
@@ -78,9 +83,10 @@ class LocalChannel:
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.address)
         self._listener.listen(MAX_CLIENTS)
-        self._lock = threading.Lock()  # guards the two below and calls
+        self._lock = threading.Lock()  # guards the three below and calls
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._stopping = False
+        self._closed = False  # past stop()'s grace: calls still running answer UNAVAILABLE
         self.calls: Counter[str] = Counter()
         self._acceptor = threading.Thread(
             target=self._accept, name="kvstore-local-accept", daemon=True
@@ -90,7 +96,9 @@ class LocalChannel:
         self._acceptor.start()
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """Take no more connections or calls; a call under way may finish within ``grace_s``."""
+        """Take no more connections or calls; a call under way may finish within ``grace_s``,
+        and one still running after that answers ``UNAVAILABLE``, not its result (the
+        server closes the store next)."""
         with self._lock:
             self._stopping = True
             conns = dict(self._conns)
@@ -100,9 +108,12 @@ class LocalChannel:
         for conn in conns:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RD)  # its reader wakes; an answer can still go out
+        deadline = time.monotonic() + grace_s
         for thread in conns.values():
-            thread.join(grace_s)
-        self._acceptor.join(grace_s)
+            thread.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            self._closed = True
+        self._acceptor.join(max(0.0, deadline - time.monotonic()))
 
     def _accept(self) -> None:
         while True:
@@ -110,38 +121,44 @@ class LocalChannel:
                 conn, _ = self._listener.accept()
             except OSError:
                 return  # the listener was closed: stop() ran
-            pid, uid, _ = _PEERCRED.unpack(
-                conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-            )
+            uid = peer_uid(conn)
+            if not peer_allowed(uid):
+                log.warning("refused a local connection from uid %d", uid)
+                conn.close()  # not a byte read or sent
+                continue
             with self._lock:
-                refuse = self._stopping or len(self._conns) >= MAX_CLIENTS
-                if not refuse and peer_allowed(uid):
+                full = self._stopping or len(self._conns) >= MAX_CLIENTS
+                if not full:
                     thread = threading.Thread(
-                        target=self._serve, args=(conn, pid), name="kvstore-local", daemon=True
+                        target=self._serve, args=(conn,), name="kvstore-local", daemon=True
                     )
                     self._conns[conn] = thread
                     thread.start()
                     continue
-            if not peer_allowed(uid):
-                log.warning("refused a local connection from uid %d (pid %d)", uid, pid)
+            with contextlib.suppress(OSError):  # told before its hello is read: use gRPC
+                send_frame(conn, _code(grpc.StatusCode.UNAVAILABLE), b"too many local clients")
             conn.close()
 
-    def _serve(self, conn: socket.socket, pid: int) -> None:
+    def _serve(self, conn: socket.socket) -> None:
         try:
             conn.settimeout(HELLO_TIMEOUT_S)
-            tag, body = recv_frame(conn)
+            tag, body = recv_frame(conn, HELLO_TIMEOUT_S)
             if tag != HELLO:
                 raise FrameError(f"the first frame must be a hello, not tag {tag}")
             context = _Context(body.decode("utf-8", "replace"))
-            conn.settimeout(None)
+            send_frame(conn, _code(grpc.StatusCode.OK), b"")
             while True:
-                tag, body = recv_frame(conn)
+                conn.settimeout(None)  # a connection may idle between calls
+                tag, body = recv_frame(conn, FRAME_TIMEOUT_S)
                 code, answer = self._answer(tag, body, context)
-                send_frame(conn, code.value[0], answer)
+                with self._lock:
+                    if self._closed:
+                        code, answer = grpc.StatusCode.UNAVAILABLE, b"the store stopped"
+                send_frame(conn, _code(code), answer)
         except (EOFError, OSError):
             pass  # the client went away (or stop() woke us)
         except FrameError as exc:
-            log.info("hung up on a local client (pid %d): %s", pid, exc)
+            log.info("hung up on a local client: %s", exc)
         finally:
             with self._lock:
                 self._conns.pop(conn, None)
@@ -168,6 +185,10 @@ class LocalChannel:
         except _Aborted as exc:
             return exc.code, exc.details.encode()
         return grpc.StatusCode.OK, response.SerializeToString()
+
+
+def _code(code: grpc.StatusCode) -> int:
+    return code.value[0]
 
 
 def _refuse(error: str):

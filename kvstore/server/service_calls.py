@@ -1,9 +1,10 @@
 """What every RPC of the servicer shares: limits, request checks and the call wrapper.
 
-Offers ``Limits``, ``Abort`` (a refusal with its status code and fixed reason), ``host_of``
-and ``ServiceCalls``, the base of ``KVStoreService``: ``_call`` runs an RPC's body with
-draining, authentication, error mapping and metrics, ``_streamed`` times a response
-stream to its last message, and ``_keys``/``_ttl``/``_reserve_ttl`` check request fields.
+Offers ``Limits``, ``Abort`` (a refusal with its status code and fixed reason),
+``host_of``, ``is_local``, ``client_of`` and ``ServiceCalls``, the base of
+``KVStoreService``: ``_call`` runs an RPC's body with draining, authentication, error
+mapping and metrics, ``_streamed`` times a response stream to its last message, and
+``_keys``/``_ttl``/``_reserve_ttl`` check request fields.
 It never answers a client's mistake with ``INTERNAL``: a refusal names the field.
 """
 
@@ -15,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 import grpc
 
@@ -68,10 +70,24 @@ class Abort(Exception):
 
 
 def host_of(peer: str) -> str:
-    """``ipv4:127.0.0.1:5555`` -> ``127.0.0.1``; ``unix:...`` stays whole."""
+    """``ipv4:127.0.0.1:5555`` -> ``127.0.0.1``, ``ipv6:%5B::1%5D:5555`` (gRPC escapes the
+    brackets) -> ``[::1]``; ``unix:...`` stays whole."""
     if peer.startswith(("ipv4:", "ipv6:")):
-        return peer.split(":", 1)[1].rsplit(":", 1)[0]
+        return unquote(peer.split(":", 1)[1].rsplit(":", 1)[0])
     return peer
+
+
+def is_local(peer: str) -> bool:
+    """Whether the caller is on the store's own host (loopback, or a Unix socket)."""
+    host = host_of(peer)
+    return peer.startswith("unix:") or host.startswith("127.") or host in ("[::1]", "::1")
+
+
+def client_of(peer: str) -> str:
+    """Who a caller without a token is to the quotas: its host. Every caller on the
+    store's own host is one client, whichever loopback address, Unix socket or the
+    store's same-host socket it came by (a lease taken one way may be released another)."""
+    return "peer:local" if is_local(peer) else f"peer:{host_of(peer)}"
 
 
 class ServiceCalls:
@@ -153,7 +169,7 @@ class ServiceCalls:
 
     def _caller(self, context: grpc.ServicerContext) -> Caller:
         if self.tenants is None:
-            return Caller(client=f"peer:{host_of(context.peer())}")
+            return Caller(client=client_of(context.peer()))
         return self.tenants.authenticate(context.invocation_metadata())
 
     def _call(

@@ -1,6 +1,6 @@
 """The servicer's same-host shared-memory RPCs: ``GetShm``, ``ReserveShm``, ``CommitShm``.
 
-Offers the ``ShmRpcs`` mixin of ``KVStoreService`` and ``is_local(peer)``. These calls
+Offers the ``ShmRpcs`` mixin of ``KVStoreService``. These calls
 hand out handles into the store's DRAM region, so they never answer a peer that is not
 on the store's own host (loopback or a Unix socket), nor any peer when ``server.shm`` is
 off: such a client is told to use ``Get`` or ``Put`` instead.
@@ -16,12 +16,7 @@ from kvstore.core.types import NotFound
 from kvstore.rpc.pb import pb
 from kvstore.server.auth import Caller, tag_namespace
 from kvstore.server.reads import ShmRef
-from kvstore.server.service_calls import Abort, ServiceCalls, host_of
-
-
-def is_local(peer: str) -> bool:
-    host = host_of(peer)
-    return peer.startswith("unix:") or host.startswith("127.") or host in ("[::1]", "::1")
+from kvstore.server.service_calls import Abort, ServiceCalls, is_local
 
 
 class ShmRpcs(ServiceCalls):

@@ -19,7 +19,9 @@ from kvstore.client import ClientError, ClientOptions, KVStoreClient, local_call
 from kvstore.rpc.local_wire import HEADER, HELLO, MAX_FRAME, TAGS, recv_frame, send_frame
 from kvstore.rpc.pb import pb
 from kvstore.rpc.tls import ClientAuth
+from kvstore.server import local_channel
 from kvstore.server.auth import Tenants
+from kvstore.server.grpc_server import StoreServer
 from kvstore.server.metrics import Metrics
 from kvstore.server.service import Limits
 from tests.chunks import chain
@@ -40,6 +42,11 @@ def connect(served) -> socket.socket:
     sock.settimeout(10.0)
     sock.connect(local_of(served).address)
     return sock
+
+
+def greet(sock: socket.socket, token: bytes = b"") -> None:
+    send_frame(sock, HELLO, token)
+    assert recv_frame(sock) == (grpc.StatusCode.OK.value[0], b"")  # the store's welcome
 
 
 def closed_by_peer(sock: socket.socket) -> bool:
@@ -88,7 +95,7 @@ def test_the_socket_refuses_what_grpc_refuses_and_counts_in_the_same_metrics(ser
     served = serve(store, metrics=metrics)
     records = chain(3, seed=5)
     sock = connect(served)
-    send_frame(sock, HELLO, b"")
+    greet(sock)
     bad = pb.ReserveShmRequest(chunks=[pb.ShmPutChunk(key=b"short", length=10)])
     send_frame(sock, TAGS["ReserveShm"], bad.SerializeToString())
     code, body = recv_frame(sock)
@@ -178,18 +185,18 @@ def test_hostile_frames_are_refused_and_the_socket_keeps_serving(served):
     assert closed_by_peer(sock)
     # a frame over the limit: hung up on before its body is read
     sock = connect(served)
-    send_frame(sock, HELLO, b"")
+    greet(sock)
     sock.sendall(HEADER.pack(MAX_FRAME + 1, TAGS["ReserveShm"]))
     assert closed_by_peer(sock)
     # a frame cut short
     sock = connect(served)
-    send_frame(sock, HELLO, b"")
+    greet(sock)
     sock.sendall(HEADER.pack(100, TAGS["ReserveShm"]) + b"x" * 10)
     sock.shutdown(socket.SHUT_WR)
     assert closed_by_peer(sock)
     # a method it does not serve, and a request that does not parse: told so, may go on
     sock = connect(served)
-    send_frame(sock, HELLO, b"")
+    greet(sock)
     send_frame(sock, 200, b"")
     code, body = recv_frame(sock)
     assert code == grpc.StatusCode.UNIMPLEMENTED.value[0] and b"tag 200" in body
@@ -263,7 +270,7 @@ def test_a_forked_child_opens_a_connection_of_its_own(served):
         if pid == 0:
             ok = b"n"
             try:
-                mine = c._local._socket(c._local._address, 5.0)
+                mine = c._local._socket(c._local._address, time.monotonic() + 5.0)
                 ok = b"y" if mine is not None and mine is not parent else b"n"
             finally:
                 os.write(write, ok)
@@ -312,3 +319,164 @@ def test_a_lease_taken_over_the_socket_and_released_over_grpc_frees_the_quota(se
         assert local_of(served).calls["Lookup"] == 3
         remote.release(leases[0])  # one client of this host, whichever way it calls
         assert local.lookup(keys, lease_ttl_s=60).lease_id
+
+
+def test_a_call_interrupted_before_its_answer_never_hands_that_answer_to_the_next(
+    served, monkeypatch
+):
+    chains = [chain(n, seed=60 + n) for n in (1, 2, 3)]
+    with KVStoreClient(served.address, ClientOptions(**QUICK)) as c:
+        for records in chains:
+            assert c.put(records).stored == len(records)
+        assert c.lookup(keys_of(chains[0])).matched == 1  # connected and greeted
+        real = local_calls.recv_frame
+
+        def interrupted(sock, within_s=None):  # a signal lands while the answer is awaited
+            monkeypatch.setattr(local_calls, "recv_frame", real)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(local_calls, "recv_frame", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            c.lookup(keys_of(chains[0]))
+        for _ in range(2):
+            assert [c.lookup(keys_of(r)).matched for r in chains] == [1, 2, 3]
+        assert local_of(served).calls["Lookup"] == 8  # the interrupted one reached the store
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
+def test_a_name_taken_by_another_user_after_the_store_let_it_go_gets_no_token(serve, tmp_path):
+    path = tmp_path / "tenants.yaml"
+    path.write_text(yaml.safe_dump({"tenants": [{"name": "a", "tokens": ["tok-secret-9"]}]}))
+    served = serve(tenants=Tenants.load(str(path)))
+    auth = ClientOptions(auth=ClientAuth(token="tok-secret-9"), **QUICK)
+    with KVStoreClient(served.address, auth) as c:
+        assert c.put(chain(1, seed=70), shm=True).stored == 1  # the socket's name is known
+        address = local_of(served).address
+        local_of(served).stop(2.0)  # the name is free: anyone may bind it now
+        read, write = os.pipe()
+        ready_r, ready_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the squatter: nobody, on the store's old name
+            got = b""
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                squat = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                squat.bind(address)
+                squat.listen(4)
+                os.write(ready_w, b"r")
+                squat.settimeout(10.0)
+                conn, _ = squat.accept()
+                conn.settimeout(2.0)
+                with contextlib.suppress(OSError):
+                    got = conn.recv(4096)
+            finally:
+                os.write(write, b"G" if got else b"-")
+                os._exit(0)
+        assert os.read(ready_r, 1) == b"r"
+        out: dict[str, object] = {}
+
+        def fresh_thread() -> None:  # a thread with no connection yet makes one
+            out["stored"] = c.put(chain(2, seed=71), shm=True).stored
+
+        t = threading.Thread(target=fresh_thread)
+        t.start()
+        t.join(30)
+        assert out["stored"] == 2  # over gRPC
+        os.waitpid(pid, 0)
+        assert os.read(read, 1) == b"-"  # the squatter read nothing: no hello, no token
+
+
+def test_on_ipv6_loopback_leases_cross_transports_and_grpc_callers_are_local(open_store):
+    server = StoreServer(
+        open_store(), "[::1]:0", limits=Limits(max_leases_per_client=2), grace_s=1.0
+    )
+    port = server.start()
+    try:
+        records = chain(2, seed=80)
+        keys = keys_of(records)
+        with (
+            KVStoreClient(f"[::1]:{port}", ClientOptions(**QUICK)) as local,
+            KVStoreClient(f"[::1]:{port}", ClientOptions(local_calls=False, **QUICK)) as remote,
+        ):
+            assert local.put(records).stored == 2
+            leases = [local.lookup(keys, lease_ttl_s=60).lease_id for _ in range(2)]
+            assert server._local.calls["Lookup"] == 2
+            remote.release(leases[0])
+            assert local.lookup(keys, lease_ttl_s=60).lease_id
+            # gRPC writes this peer as ipv6:%5B::1%5D:port: it is local all the same
+            remote.release(leases[1])  # room for the GetShm's lease
+            dests = [bytearray(len(p)) for p in payloads_of(records)]
+            assert remote.get_shm_into(keys[:1], dests[:1]) == 1
+            assert bytes(dests[0]) == payloads_of(records)[0]
+    finally:
+        server.stop()
+
+
+def test_a_client_over_the_connection_limit_is_told_at_once_and_uses_grpc(served, monkeypatch):
+    monkeypatch.setattr(local_channel, "MAX_CLIENTS", 1)
+    first = connect(served)
+    greet(first)  # the one connection the store takes now
+    second = connect(served)  # told before it sends a thing, so no call is ever lost
+    code, body = recv_frame(second)
+    assert code == grpc.StatusCode.UNAVAILABLE.value[0] and b"too many" in body
+    assert closed_by_peer(second)
+    with KVStoreClient(served.address, ClientOptions(**QUICK)) as c:
+        for seed in range(90, 95):  # each put's commit among them: none lost
+            assert c.put(chain(2, seed=seed), shm=True).stored == 2
+    assert local_of(served).calls == {}
+    first.close()
+
+
+def test_a_peer_that_trickles_its_frames_is_hung_up_on(served, monkeypatch):
+    monkeypatch.setattr(local_channel, "HELLO_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(local_channel, "FRAME_TIMEOUT_S", 0.5)
+    slow_hello = connect(served)
+    slow_hello.sendall(HEADER.pack(0, HELLO)[:2])  # a hello begun, never finished
+    slow_call = connect(served)
+    greet(slow_call)
+    slow_call.sendall(HEADER.pack(MAX_FRAME, TAGS["ReserveShm"]) + b"x")  # 16 MiB promised
+    for sock in (slow_hello, slow_call):
+        sock.settimeout(5.0)
+        assert closed_by_peer(sock)  # within the 5 s: the limits are 0.5 s here
+    assert wait_for(lambda: not local_of(served)._conns)
+
+
+def test_a_client_without_a_deadline_and_a_request_too_large_for_the_socket(served):
+    with KVStoreClient(served.address, ClientOptions(timeout_s=None, retries=0)) as c:
+        records = chain(2, seed=96)
+        assert c.put(records, shm=True).stored == 2
+        assert c.lookup(keys_of(records)).matched == 2
+        assert local_of(served).calls["Lookup"] == 1
+        with pytest.raises(ClientError) as err:  # 18 MB of keys: over gRPC, refused there
+            c.lookup([bytes(16)] * 1_000_000)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert local_of(served).calls["Lookup"] == 1
+
+
+def test_a_call_still_running_when_the_store_stops_is_answered_unavailable(serve):
+    served = serve(grace_s=0.5)
+    records = chain(2, seed=97)
+    with KVStoreClient(served.address, ClientOptions(**QUICK)) as c:
+        assert c.put(records).stored == 2
+        lookup = served.store.lookup
+
+        def slow_lookup(*a, **kw):  # a lookup that outlasts the stop's grace
+            time.sleep(2.0)
+            return lookup(*a, **kw)
+
+        served.store.lookup = slow_lookup
+        out: dict[str, object] = {}
+
+        def call() -> None:
+            try:
+                out["matched"] = c.lookup(keys_of(records), lease_ttl_s=5).matched
+            except ClientError as exc:
+                out["code"] = exc.code
+
+        t = threading.Thread(target=call)
+        t.start()
+        assert wait_for(lambda: local_of(served).calls["Lookup"] == 1)
+        served.server.stop()
+        t.join(10)
+        assert out == {"code": grpc.StatusCode.UNAVAILABLE}
