@@ -306,8 +306,9 @@ def test_single_flight_a_new_prefix_sent_to_three_servers_at_once_is_computed_on
 
 
 def test_single_flight_servers_that_meet_a_prefix_being_computed_wait_and_load_it(nodes):
-    # w prefills 64 tokens a step: p and d arrive while it computes
-    seen = computed_once(nodes, tokens(201, 1500), staggered=True)
+    # w prefills 64 tokens a step: p and d arrive while it computes (2,000 tokens, 31
+    # steps: with 1,500 w once finished before their lookups in a loaded full-suite run)
+    seen = computed_once(nodes, tokens(201, 2000), staggered=True)
     assert seen["w"]["reservations"] == 1
     assert seen["p"]["waits"] == seen["d"]["waits"] == 1, seen
 
