@@ -39,7 +39,7 @@ from kvstore.rpc.local_wire import (
     recv_frame,
     send_frame,
 )
-from kvstore.server.service_calls import Abort
+from kvstore.server.service_handlers import checked, request_parser
 
 log = logging.getLogger(__name__)
 MAX_CLIENTS = 64
@@ -88,6 +88,11 @@ class LocalChannel:
         self._stopping = False
         self._closed = False  # past stop()'s grace: calls still running answer UNAVAILABLE
         self.calls: Counter[str] = Counter()
+        # tag -> (method, parser, handler): gRPC's own pair, see service_handlers
+        self._handlers = {
+            tag: (name, request_parser(request), checked(service, getattr(service, name)))
+            for tag, (name, request, _) in METHODS.items()
+        }
         self._acceptor = threading.Thread(
             target=self._accept, name="kvstore-local-accept", daemon=True
         )
@@ -165,23 +170,13 @@ class LocalChannel:
             conn.close()
 
     def _answer(self, tag: int, body: bytes, context: _Context) -> tuple[grpc.StatusCode, bytes]:
-        if tag not in METHODS:
+        if tag not in self._handlers:
             return grpc.StatusCode.UNIMPLEMENTED, f"no method has tag {tag} here".encode()
-        name, request_type, _ = METHODS[tag]
+        name, parse, handle = self._handlers[tag]
         with self._lock:
             self.calls[name] += 1
-        try:
-            request = request_type.FromString(body)
-            method = getattr(self.service, name)
-        except Exception as exc:  # a client's bytes: refused, and counted, as over gRPC
-            error = f"malformed {request_type.DESCRIPTOR.name}: {exc}"
-            request = None
-
-            def method(request, context):
-                return self.service._call(name, context, lambda caller: _refuse(error))
-
-        try:
-            response = method(request, context)
+        try:  # a request that does not parse is refused, and counted, as over gRPC
+            response = handle(parse(body), context)
         except _Aborted as exc:
             return exc.code, exc.details.encode()
         return grpc.StatusCode.OK, response.SerializeToString()
@@ -189,7 +184,3 @@ class LocalChannel:
 
 def _code(code: grpc.StatusCode) -> int:
     return code.value[0]
-
-
-def _refuse(error: str):
-    raise Abort(grpc.StatusCode.INVALID_ARGUMENT, error, "malformed_request")

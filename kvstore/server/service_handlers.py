@@ -1,8 +1,10 @@
 """How gRPC reaches the servicer: method handlers and the request parsers behind them.
 
 Offers ``generic_handler(service)`` (every ``kvstore.v1.KVStore`` method, with the
-hand-coded framing of ``kvstore.core.wire`` for ``Get`` and ``Put`` payloads) and
-``Malformed``, what a parser hands the handler instead of a request that did not parse.
+hand-coded framing of ``kvstore.core.wire`` for ``Get`` and ``Put`` payloads),
+``Malformed``, what a parser hands the handler instead of a request that did not parse,
+and ``request_parser``/``checked``, the pair that makes it so (the store's same-host
+socket uses them too).
 A parser never raises: gRPC would answer ``INTERNAL`` and blame the server for the
 client's bytes; the handler refuses the call with ``INVALID_ARGUMENT`` instead.
 """
@@ -31,13 +33,15 @@ def generic_handler(
 
     def unary(fn, req):
         return grpc.unary_unary_rpc_method_handler(
-            _checked(service, fn), request_deserializer=_parser(req), response_serializer=_serialize
+            checked(service, fn),
+            request_deserializer=request_parser(req),
+            response_serializer=_serialize,
         )
 
     handlers = {
         "Lookup": unary(service.Lookup, pb.LookupRequest),
         "Get": grpc.unary_stream_rpc_method_handler(
-            _checked(service, service.Get), request_deserializer=_parser(pb.GetRequest)
+            checked(service, service.Get), request_deserializer=request_parser(pb.GetRequest)
         ),
         "Put": grpc.stream_unary_rpc_method_handler(
             service.Put,
@@ -69,7 +73,7 @@ class Malformed:
         self.error = error
 
 
-def _parser(cls) -> Callable[[bytes], object]:
+def request_parser(cls) -> Callable[[bytes], object]:
     """``cls.FromString`` that hands a parse failure to the handler instead of raising.
 
     A deserializer that raises makes gRPC answer INTERNAL ("Exception deserializing
@@ -85,7 +89,7 @@ def _parser(cls) -> Callable[[bytes], object]:
     return parse
 
 
-def _checked(service: ServiceCalls, fn):
+def checked(service: ServiceCalls, fn):
     """``fn`` for well-formed requests; INVALID_ARGUMENT (counted) for malformed ones."""
     method = fn.__name__
 
