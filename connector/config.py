@@ -169,13 +169,6 @@ TRANSPORTS = ("auto", "shm", "tcp")
 
 def _is_local(address: str) -> bool:
     """Every store the address names runs on this host (a DNS name: assume not)."""
-    if address.startswith("dns:"):
-        return False
-    return all(_one_is_local(a.strip()) for a in address.split(","))
+    from kvstore.client.local_calls import on_this_host
 
-
-def _one_is_local(address: str) -> bool:
-    if address.startswith("unix:"):
-        return True
-    host = address.rsplit(":", 1)[0].strip("[]")
-    return host in ("localhost", "::1") or host.startswith("127.")
+    return all(on_this_host(a.strip()) for a in address.split(","))

@@ -53,7 +53,6 @@ LOCAL_METHODS = frozenset(TAGS)  # the calls a store's socket answers
 RESENT = frozenset({"ReserveShm", "Lookup", "GetShm"})
 REASK_S = 10.0  # as kvstore.client.put_routes
 ASK_TIMEOUT_S = 2.0
-_LOOPBACK = ("localhost", "127.", "[::1]", "::1")
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -64,11 +63,18 @@ class LocalCallError(Exception):
 
 
 def on_this_host(target: str) -> bool:
-    """Whether a gRPC target names this host (loopback or a Unix socket)."""
+    """Whether one gRPC target names this host: a Unix socket, ``localhost`` or a loopback
+    address, with or without a port (a name DNS resolves, ``dns:...``: assume not)."""
     if target.startswith(("unix:", "unix-abstract:")):
         return True
-    host = target.removeprefix("ipv4:").removeprefix("ipv6:").removeprefix("dns:")
-    return host.startswith(_LOOPBACK) and "," not in host
+    if target.startswith("dns:") or "," in target:
+        return False
+    host = target.removeprefix("ipv4:").removeprefix("ipv6:")
+    if host.startswith("["):  # [::1]:port
+        host = host[1 : host.find("]")]
+    elif host.count(":") == 1:  # host:port (a bare IPv6 address has more colons)
+        host = host.split(":")[0]
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 class LocalCalls:

@@ -410,7 +410,18 @@ def test_same_host_loads_and_saves_go_through_shared_memory_and_match_tcp(store_
 
 @pytest.mark.parametrize(
     ("store", "same_host"),
-    [("127.0.0.1:1", True), ("localhost:1", True), ("unix:/tmp/s", True), ("10.0.0.7:1", False)],
+    [
+        ("127.0.0.1:1", True),
+        ("localhost:1", True),
+        ("unix:/tmp/s", True),
+        ("[::1]:1", True),
+        ("ipv4:127.0.0.1:1", True),
+        ("127.0.0.1:1,[::1]:2", True),
+        ("10.0.0.7:1", False),
+        ("127.0.0.1:1,10.0.0.7:1", False),
+        ("localhost.example.com:1", False),
+        ("dns:localhost:1", False),
+    ],
 )
 def test_auto_transport_uses_shared_memory_only_for_local_addresses(store, same_host):
     assert config(store).same_host is same_host
