@@ -85,6 +85,15 @@ class ConnectorConfig:
             return self.transport == "shm"
         return _is_local(self.store)
 
+    def client_options(self, timeout_s: float):
+        """The options of a connector half's client: no retries (a hit that fails is
+        computed instead); with transport tcp (or local_calls off), gRPC only."""
+        from kvstore.client import ClientOptions
+
+        return ClientOptions(
+            timeout_s=timeout_s, retries=0, local_calls=self.local_calls and self.same_host
+        )
+
     @classmethod
     def from_extra(cls, extra: Mapping[str, object] | None, block_size: int) -> ConnectorConfig:
         extra = dict(extra or {})

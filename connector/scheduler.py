@@ -115,15 +115,9 @@ class SchedulerHalf(NodeCoordination):
     @property
     def client(self):
         if self._client is None:
-            from kvstore.client import ClientOptions
             from kvstore.client.shards import connect
 
-            # transport tcp (or local_calls off): gRPC only, also for what the socket takes
-            opts = ClientOptions(
-                timeout_s=self.config.lookup_timeout_s,
-                retries=0,
-                local_calls=self.config.local_calls and self.config.same_host,
-            )
+            opts = self.config.client_options(self.config.lookup_timeout_s)
             self._client = connect(self.config.store, opts)
         return self._client
 

@@ -174,14 +174,7 @@ class WorkerHalf:
     @property
     def client(self):
         if self._client is None:
-            from kvstore.client import ClientOptions
-
-            # transport tcp (or local_calls off): gRPC only, also for what the socket takes
-            opts = ClientOptions(
-                timeout_s=self.config.load_timeout_s,
-                retries=0,
-                local_calls=self.config.local_calls and self.config.same_host,
-            )
+            opts = self.config.client_options(self.config.load_timeout_s)
             self._client = connect(self.config.store, opts)
         return self._client
 
