@@ -26,6 +26,7 @@ from kvstore.server.metrics import Metrics
 from kvstore.server.service import Limits
 from tests.chunks import chain
 from tests.service.conftest import keys_of, payloads_of
+from tests.service.test_disconnect import wait_until
 from tests.service.test_real_sizes import llama_chains
 from tests.service.test_rpc_metrics import samples
 
@@ -54,15 +55,6 @@ def closed_by_peer(sock: socket.socket) -> bool:
         return sock.recv(1) == b""
     except ConnectionResetError:
         return True
-
-
-def wait_for(cond, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 def test_real_sized_same_host_puts_go_over_the_socket_and_read_back_as_over_grpc(serve, open_store):
@@ -207,7 +199,7 @@ def test_hostile_frames_are_refused_and_the_socket_keeps_serving(served):
     code, _ = recv_frame(sock)
     assert code == grpc.StatusCode.NOT_FOUND.value[0]
     sock.close()
-    assert wait_for(lambda: not local._conns)  # every connection's thread has ended
+    wait_until(lambda: not local._conns, 10.0)  # every connection's thread has ended
     with KVStoreClient(served.address, ClientOptions(**QUICK)) as c:
         records = chain(3, seed=4)
         assert c.put(records, shm=True).stored == 3
@@ -439,7 +431,7 @@ def test_a_peer_that_trickles_its_frames_is_hung_up_on(served, monkeypatch):
     for sock in (slow_hello, slow_call):
         sock.settimeout(5.0)
         assert closed_by_peer(sock)  # within the 5 s: the limits are 0.5 s here
-    assert wait_for(lambda: not local_of(served)._conns)
+    wait_until(lambda: not local_of(served)._conns, 10.0)
 
 
 def test_a_client_without_a_deadline_and_a_request_too_large_for_the_socket(served):
@@ -476,7 +468,7 @@ def test_a_call_still_running_when_the_store_stops_is_answered_unavailable(serve
 
         t = threading.Thread(target=call)
         t.start()
-        assert wait_for(lambda: local_of(served).calls["Lookup"] == 1)
+        wait_until(lambda: local_of(served).calls["Lookup"] == 1, 10.0)
         served.server.stop()
         t.join(10)
         assert out == {"code": grpc.StatusCode.UNAVAILABLE}
