@@ -416,6 +416,12 @@ class WorkerHalf:
         body = codec.HEADER_BYTES
         k = rows[:, body : body + half].view(k0.dtype).view(count, *k0.shape)
         v = rows[:, body + half : size].view(k0.dtype).view(count, *k0.shape)
+        if views is not None:
+            # chunk j was decoded from views.views[j], the region's bytes at offsets[j]
+            # (both made from the same handles), so k[j], v[j] are its K and V when its
+            # payload is `size` long; no view of each chunk is made (0.3-0.6 ms at 16K)
+            same = all(p.nbytes == size for p in views.views[:count])
+            return (k, v) if same else None
         # chunk j of k and v starts j strides on; checked by address, since indexing
         # k[j] for each chunk cost 1.7 ms of a 16K-token load (64 chunks) in an engine
         k_at, v_at = k.data_ptr(), v.data_ptr()

@@ -2,8 +2,9 @@
 
 Offers ``Fp8Batch`` (built by ``codec.decode_many(..., defer_fp8=True)``: fp8 chunks,
 checked but not decoded, each layer decoded later straight into the blocks by
-``into_blocks``), ``DeferredChunk`` (one chunk of it that decodes itself on first use, for
-callers that want a chunk's (K, V) after all: a chunk only partly loaded) and
+``into_blocks``), ``DeferredChunk`` (one chunk's (K, V), made on first use: of an
+``Fp8Batch``, or a raw chunk's views, for callers that want a chunk after all, such as a
+chunk only partly loaded) and
 ``raw_into_blocks`` (raw chunks copied so). Decoding into a batch first, or staging the
 blocks in engine order and then copying them in with one indexed copy, cost a full
 write and read of the bytes more than this.
@@ -67,15 +68,17 @@ class Fp8Batch:
 
 
 class DeferredChunk:
-    """Chunk ``j`` of an ``Fp8Batch`` as a (K, V) pair, decoded on first use."""
+    """A chunk's (K, V) pair, made by ``make()`` on first use."""
 
-    def __init__(self, batch: Fp8Batch, j: int) -> None:
-        self._batch, self._j = batch, j
+    __slots__ = ("_make", "_kv")
+
+    def __init__(self, make: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._make = make
         self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _get(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._kv is None:
-            self._kv = self._batch.chunk(self._j)
+            self._kv = self._make()
         return self._kv
 
     def __getitem__(self, i: int) -> torch.Tensor:

@@ -59,6 +59,14 @@ def test_a_same_host_load_reads_the_region_in_place_and_lands_exactly(store_addr
         assert same(src, dst, SRC_BLOCKS[first_block:], list(range(8 + first_block, 16)))
     assert not w._staging  # no staging buffer: nothing was copied out first
     assert w.client.shm_stats.chunks == 8 and w.client.stats().active_leases == 0
+    # the whole chunks were one strided batch of views of the region, chunk j's K and V
+    # those of the payload that decode_many read for it
+    fetched = w._fetch_decoded(LoadSpec("r", keys, list(range(8, 16)), 0), 0)
+    k, v = fetched.stacked
+    for j, (kj, vj) in enumerate(fetched.decoded):
+        assert kj.data_ptr() == k[j].data_ptr() and vj.data_ptr() == v[j].data_ptr()
+        assert torch.equal(kj, k[j]) and torch.equal(vj, v[j])
+    assert fetched.views.end() == 4
     w.close()
 
 
