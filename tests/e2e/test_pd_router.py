@@ -12,7 +12,8 @@ scenario, in this order:
    must wait for them and load, not compute.
 2. Single-flight: one new prefix sent to ``p``, ``d`` and ``w`` at once is computed
    once: one server reserves it, the store takes each chunk once, the others load it;
-   sent to ``w`` first, ``p`` and ``d`` meet it mid-prefill, wait, and load it.
+   sent to ``w`` first, ``p`` and ``d`` meet it mid-prefill, wait, and load it (``w`` is
+   held stopped, SIGSTOP, once it has its reservation, until both have begun to wait).
 3. A writer killed mid-prefill (``w``, ``reserve_ttl_s`` 3 s, prefilling 64 tokens a
    step): its reservation lapses and the others compute instead of hanging.
 4. The store killed: requests through the router still complete, recomputed.
@@ -108,8 +109,6 @@ def nodes(tmp_path_factory):
     # no put process: p's saves must pass the proxy too, not go to a port of their own
     store_cfg = store_config(work / "s.yaml", work / "lmdb", put_process=False)
     store = Served([KVSTORE, "serve", "--config", str(store_cfg)])
-    # p reaches the store through a proxy (over TCP) that a test can hold back
-    proxy = FaultyProxy(int(store.address.rsplit(":", 1)[1]))
 
     def server(name: str, connector: dict | None = None, args: tuple = ()) -> OpenAIServer:
         if connector is not None:
@@ -133,8 +132,10 @@ def nodes(tmp_path_factory):
 
     servers: dict[str, OpenAIServer] = {}
     url = "http://127.0.0.1:{}".format
-    state = {"store": store, "router": None, "proxy": proxy}
+    state = {"store": store, "router": None, "proxy": None}
     try:  # whatever fails to start, what did start is stopped below
+        # p reaches the store through a proxy (over TCP) that a test can hold back
+        proxy = state["proxy"] = FaultyProxy(int(store.address.rsplit(":", 1)[1]))
         servers["ref"] = server("ref")
         servers["p"] = server("p", {"store": f"127.0.0.1:{proxy.port}", "transport": "tcp"})
         servers["d"] = server("d", {})
@@ -159,7 +160,8 @@ def nodes(tmp_path_factory):
             state["router"].stop()
         for s in servers.values():
             s.stop()
-        proxy.close()
+        if state["proxy"] is not None:
+            state["proxy"].close()
         if state["store"].proc.poll() is not None:
             # a store started on the killed one's config reclaims its shared memory
             state["store"] = Served([KVSTORE, "serve", "--config", str(store_cfg)])
@@ -257,6 +259,55 @@ def send_until_reserved(nodes, name: str, prompt: list[int]) -> threading.Thread
     return thread
 
 
+def met_mid_prefill(nodes, prompt: list[int], before: dict) -> dict[str, list[int]]:
+    """Send ``prompt`` to w, then to p and d while w provably computes it: w is stopped
+    (SIGSTOP) once it counts the reservation its lookup made, so the chunks it has not
+    stored stay reserved to it until p and d have met them and begun to wait; then w
+    goes on (SIGCONT).
+
+    w's claim lapses ``RESERVE_TTL_S`` after its lookup unless w renews it (every half
+    TTL, while it runs): w is let go on within 2 s of its lookup whatever p and d did, and
+    what they did is then for the caller's counters to show."""
+    address, w = nodes["store"].address, nodes["w"]
+    n_chunks = full_tokens(prompt) // CHUNK
+    chunks0 = store_stats(address).chunks
+    producer = send_until_reserved(nodes, "w", prompt)
+    claimed = time.monotonic()
+    # not before: stopped with its lookup's answer unread, w could find that call timed out
+    while gained(w.port, before["w"], "vllm:kvstore_reservations_total") < 1:
+        assert time.monotonic() < claimed + 1.0, "w never counted the reservation it made"
+        time.sleep(0.001)
+    pool = ThreadPoolExecutor(1)
+    os.killpg(w.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(0.1)  # what w sent before it stopped lands
+        held = store_stats(address)
+        assert held.chunks - chunks0 < n_chunks, "w finished its prefill before it was stopped"
+        assert held.reservations > 0, "w's reservation is gone"
+        others = pool.submit(at_once, nodes, ("p", "d"), prompt)
+
+        def both_wait() -> bool:
+            if others.done():  # with w stopped, only a server that did not wait can finish
+                raise AssertionError(f"p and d finished while w was stopped: {others.result()}")
+            return all(
+                gained(nodes[n].port, before[n], "vllm:kvstore_waits_total") >= 1
+                for n in ("p", "d")
+            )
+
+        wait_until(both_wait, timeout=claimed + 2.0 - time.monotonic())
+        print(
+            f"\nw stopped with {held.chunks - chunks0} of {n_chunks} chunks stored; "
+            f"let go on {time.monotonic() - claimed:.2f} s after its reservation, "
+            f"p and d {'both' if both_wait() else 'not both'} seen waiting"
+        )
+    finally:
+        os.killpg(w.proc.pid, signal.SIGCONT)
+        pool.shutdown(wait=False)
+    got = others.result(timeout=120)
+    producer.join(60)
+    return got
+
+
 def computed_once(nodes, prompt: list[int], staggered: bool) -> dict[str, dict[str, float]]:
     """Send a new prefix to p, d and w (at once, or w first and the others while w is
     prefilling); check that one server computed it and the others loaded it."""
@@ -266,12 +317,7 @@ def computed_once(nodes, prompt: list[int], staggered: bool) -> dict[str, dict[s
     want = complete(nodes["ref"].port, prompt)
     before = {n: scrape(nodes[n].port) for n in names}
     store0 = store_stats(address)
-    if staggered:
-        producer = send_until_reserved(nodes, "w", prompt)
-        got = at_once(nodes, ("p", "d"), prompt)
-        producer.join(60)
-    else:
-        got = at_once(nodes, names, prompt)
+    got = met_mid_prefill(nodes, prompt, before) if staggered else at_once(nodes, names, prompt)
     assert all(ids == want for ids in got.values()), got
 
     def total_hits() -> float:
@@ -306,8 +352,8 @@ def test_single_flight_a_new_prefix_sent_to_three_servers_at_once_is_computed_on
 
 
 def test_single_flight_servers_that_meet_a_prefix_being_computed_wait_and_load_it(nodes):
-    # w prefills 64 tokens a step: p and d arrive while it computes (2,000 tokens, 31
-    # steps: with 1,500 w once finished before their lookups in a loaded full-suite run)
+    # w is held mid-prefill until p and d wait (racing its 31 prefill steps instead,
+    # w once finished before their lookups in a loaded full-suite run)
     seen = computed_once(nodes, tokens(201, 2000), staggered=True)
     assert seen["w"]["reservations"] == 1
     assert seen["p"]["waits"] == seen["d"]["waits"] == 1, seen
