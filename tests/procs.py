@@ -1,8 +1,10 @@
 """Real processes for tests and benchmarks: a `kvstore serve` store and its banner, a free
-loopback port, the connector's vLLM config, waiting for asynchronous saves to land."""
+loopback port, the connector's vLLM config, waiting for asynchronous saves to land, and
+``stopped_on_failure`` for a fixture that starts several things in turn."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -10,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +65,14 @@ class Served:
                 break
         text = "".join(banner)
         m = re.search(r"listening on (\S+)", text)
-        assert m, f"no banner; stdout={text!r} stderr={self.proc.stderr.read()!r}"
+        if not m:  # a server that never said where it listens is not left running
+            self.proc.terminate()
+            try:
+                _, err = self.proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                _, err = self.proc.communicate()
+            raise AssertionError(f"no banner; stdout={text!r} stderr={err!r}")
         self.address = m.group(1)
         port = re.search(r"metrics: http://[^:]+:(\d+)/metrics", text)
         self.metrics_port = int(port.group(1)) if port else None
@@ -75,6 +85,25 @@ class Served:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.communicate(timeout=30)
+
+
+@contextlib.contextmanager
+def stopped_on_failure() -> Iterator[list[Callable[[], object]]]:
+    """For a fixture that starts several things in turn (a store, then engines): after
+    each start, ``stops.append(<what stops it>)``. If a later start raises, everything
+    appended is stopped, last first, and the start's error goes on (a stop that fails
+    too is noted on it). Once all have started nothing is stopped here: that is the
+    fixture's teardown, after its ``yield``."""
+    stops: list[Callable[[], object]] = []
+    try:
+        yield stops
+    except BaseException as exc:
+        for stop in reversed(stops):
+            try:
+                stop()
+            except Exception as err:  # the failed start is what the run must report
+                exc.add_note(f"stopping what had started failed too: {err!r}")
+        raise
 
 
 def free_port() -> int:

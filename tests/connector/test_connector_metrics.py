@@ -54,22 +54,24 @@ def server(tmp_path_factory):
         **kv_transfer_config(store.address, "raw", CHUNK, load_layerwise=True),
         "kv_load_failure_policy": "recompute",
     }
-    vllm = OpenAIServer(
-        "metrics",
-        Path(model),
-        free_port(),
-        work,
-        kv_transfer_config=config,
-        prefix_caching=False,
-        max_model_len=2048,
-        server_args=["--enforce-eager", "--block-size", "32", "--dtype", "float32"],
-        env=CPU_ENV,
-    )
-    try:
+    vllm = None
+    try:  # whatever fails to start, what did start is stopped below
+        vllm = OpenAIServer(
+            "metrics",
+            Path(model),
+            free_port(),
+            work,
+            kv_transfer_config=config,
+            prefix_caching=False,
+            max_model_len=2048,
+            server_args=["--enforce-eager", "--block-size", "32", "--dtype", "float32"],
+            env=CPU_ENV,
+        )
         vllm.wait_ready()
         yield vllm, store
     finally:
-        vllm.stop()
+        if vllm is not None:
+            vllm.stop()
         store.stop()
 
 

@@ -67,11 +67,11 @@ def rig(model, tmp_path_factory):
     # the engines (and this test's own clients) read these, as the README shows
     os.environ["KVSTORE_TLS_CA"] = pki.ca
     os.environ["KVSTORE_TOKEN_FILE"] = str(work / "token")
-    store = Served(argv)
-    proxy = FaultyProxy(port)
-    state = {"argv": argv, "store": store, "proxy": proxy, "direct": f"localhost:{port}"}
+    state = {"argv": argv, "direct": f"localhost:{port}"}
     engines = []
-    try:
+    try:  # whatever fails to start, what did start is stopped below
+        state["store"] = Served(argv)
+        proxy = state["proxy"] = FaultyProxy(port)
         engines = start_engines(
             model,
             [
@@ -86,8 +86,9 @@ def rig(model, tmp_path_factory):
         yield state
     finally:
         close_engines(engines)
-        proxy.close()
-        if state["store"].proc.poll() is None:
+        if "proxy" in state:
+            state["proxy"].close()
+        if "store" in state and state["store"].proc.poll() is None:
             state["store"].stop()
         for k, v in saved.items():
             if v is None:

@@ -29,6 +29,7 @@ from tests.procs import (
     Served,
     free_port,
     kv_transfer_config,
+    stopped_on_failure,
     store_config,
     wait_for_chunks,
 )
@@ -117,11 +118,16 @@ def start_engines(
     llm_kwargs: dict | None = None,
     env: dict | None = None,
 ) -> list[Engine]:
-    """Start several engines at once (their start-up is mostly imports) and wait for all."""
-    engines = [Engine(model, c, llm_kwargs, env) for c in connectors]
-    for e in engines:
-        info = e.ready()
-        assert "ready" in info, info
+    """Start several engines at once (their start-up is mostly imports) and wait for all;
+    if one fails to start, all are closed."""
+    engines: list[Engine] = []
+    with stopped_on_failure() as stops:
+        stops.append(lambda: close_engines(engines))
+        for c in connectors:
+            engines.append(Engine(model, c, llm_kwargs, env))
+        for e in engines:
+            info = e.ready()
+            assert "ready" in info, info
     return engines
 
 
@@ -176,10 +182,12 @@ def cluster(model, tmp_path_factory):
     cfg = store_config(work / "kvstore.yaml", work / "lmdb")
     # a fixed port: the store restarted later is found again by the running engines
     argv = [KVSTORE, "serve", "--config", str(cfg), "--server.listen", f"127.0.0.1:{free_port()}"]
-    store = Served(argv)
-    a = producer(connector(store.address, transport="tcp"))
-    b = connector(store.address, load_layerwise=True)
-    engines = start_engines(model, [a, b])
+    with stopped_on_failure() as stops:  # engines that fail to start leave no store running
+        store = Served(argv)
+        stops.append(store.stop)
+        a = producer(connector(store.address, transport="tcp"))
+        b = connector(store.address, load_layerwise=True)
+        engines = start_engines(model, [a, b])
     state = {"store": store, "argv": argv, "ref": engines[0], "a": engines[0], "b": engines[1]}
     yield state
     close_engines(engines)

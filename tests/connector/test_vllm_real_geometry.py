@@ -67,11 +67,10 @@ def cluster(model, tmp_path_factory):
         [KVSTORE, "serve", "--config", str(store_config(work / "kv.yaml", work / "lmdb"))]
     )
     conn = connector(store.address, "raw", CHUNK)
-    engines = [
-        Engine(model, conn, {**LLM_KWARGS, "enable_prefix_caching": True}),
-        Engine(model, conn, LLM_KWARGS),
-    ]
-    try:
+    engines: list[Engine] = []
+    try:  # whatever fails to start, what did start is stopped below
+        engines.append(Engine(model, conn, {**LLM_KWARGS, "enable_prefix_caching": True}))
+        engines.append(Engine(model, conn, LLM_KWARGS))
         for e in engines:
             info = e.ready()
             assert "ready" in info, info

@@ -28,6 +28,7 @@ from tests.procs import (
     KVSTORE,
     Served,
     kv_transfer_config,
+    stopped_on_failure,
     store_config,
     store_hits,
     wait_for_chunks,
@@ -65,12 +66,18 @@ def model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def traffic(model, tmp_path_factory):
     work = tmp_path_factory.mktemp("traffic")
-    store = Served([KVSTORE, "serve", "--config", str(store_config(work / "kv.yaml", work / "db"))])
-    proxy = StoreProxy(store.address)
-    # gRPC only: the store's same-host socket would go around the proxy
-    conn = kv_transfer_config(proxy.address, "raw", CHUNK, lookup_timeout_s=1.0, local_calls=False)
-    conn["kv_load_failure_policy"] = "recompute"  # as the README's examples set it
-    ref, node = start_engines(model, [None, conn], ENGINE)
+    cfg = store_config(work / "kv.yaml", work / "db")
+    with stopped_on_failure() as stops:  # engines that fail to start leave no store running
+        store = Served([KVSTORE, "serve", "--config", str(cfg)])
+        stops.append(store.stop)
+        proxy = StoreProxy(store.address)
+        stops.append(proxy.close)
+        # gRPC only: the store's same-host socket would go around the proxy
+        conn = kv_transfer_config(
+            proxy.address, "raw", CHUNK, lookup_timeout_s=1.0, local_calls=False
+        )
+        conn["kv_load_failure_policy"] = "recompute"  # as the README's examples set it
+        ref, node = start_engines(model, [None, conn], ENGINE)
     yield {"store": store, "proxy": proxy, "ref": ref, "node": node, "model": model}
     close_engines([ref, node])
     proxy.close()

@@ -17,10 +17,10 @@ from tests.procs import KVSTORE, Served, store_config
 
 def test_three_shards_spread_chains_and_survive_losing_one(tmp_path):
     shards = []
-    for i in range(3):
-        cfg = store_config(tmp_path / f"s{i}.yaml", tmp_path / f"lmdb{i}", dram="16MiB")
-        shards.append(Served([KVSTORE, "serve", "--config", str(cfg)]))
-    try:
+    try:  # a shard that fails to start leaves none of the others running
+        for i in range(3):
+            cfg = store_config(tmp_path / f"s{i}.yaml", tmp_path / f"lmdb{i}", dram="16MiB")
+            shards.append(Served([KVSTORE, "serve", "--config", str(cfg)]))
         spec = ",".join(s.address for s in shards)
         candidates = (chain(2, seed=seed) for seed in itertools.count(100))
         chains = pick_per_shard(spec, 10, candidates, lambda c: c[0].key)
