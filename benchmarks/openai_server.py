@@ -12,7 +12,6 @@ a server's ``/metrics``.
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import os
@@ -150,23 +149,40 @@ class OpenAIServer:
         return first, cached
 
     def stop(self) -> None:
-        """SIGTERM to the server's whole process group (its engine processes too), then SIGKILL.
-
-        The group is signalled even when the server itself already died, so children it
-        left behind do not keep running (or keep holding GPU memory).
-        """
-        self._signal_group(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self._signal_group(signal.SIGKILL)
-            self.proc.wait()
-        self._signal_group(signal.SIGKILL)  # whatever outlived the leader
+        """``stop_group`` of the server's process group (its engine processes too)."""
+        stop_group(self.proc)
         self._log.close()
 
-    def _signal_group(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, sig)
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 30, linger_s: float = 5) -> None:
+    """SIGTERM to ``proc``'s whole process group (``start_new_session``), then SIGKILL to
+    the leader after ``grace_s``; then SIGKILL to whatever of the group is still there
+    after up to ``linger_s`` more.
+
+    The group is signalled even when the leader already died, so children it left behind
+    do not keep running (or keep holding GPU memory). The wait before the last SIGKILL is
+    for multiprocessing's resource tracker: it ignores SIGTERM and unlinks the server's
+    named semaphores (``/dev/shm/sem.mp-*``) once the server is gone. Killed at once, it
+    left them behind (``ttft.py``, in one run of three).
+    """
+
+    def signal_group(sig: int) -> bool:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # nobody is left in the group
+            return False
+        return True
+
+    signal_group(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        signal_group(signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + linger_s
+    while signal_group(0) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    signal_group(signal.SIGKILL)  # whatever outlived the leader and the wait
 
 
 def scrape(port: int) -> dict[str, float]:
