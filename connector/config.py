@@ -178,6 +178,6 @@ TRANSPORTS = ("auto", "shm", "tcp")
 
 def _is_local(address: str) -> bool:
     """Every store the address names runs on this host (a DNS name: assume not)."""
-    from kvstore.client.local_calls import on_this_host
+    from kvstore.rpc.local_wire import on_this_host
 
     return all(on_this_host(a.strip()) for a in address.split(","))

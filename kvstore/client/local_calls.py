@@ -40,6 +40,7 @@ from kvstore.rpc.local_wire import (
     TAGS,
     FrameError,
     FrameTimeout,
+    on_this_host,
     peer_allowed,
     peer_uid,
     recv_frame,
@@ -60,21 +61,6 @@ class LocalCallError(Exception):
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
         self.code, self.details = code, details
-
-
-def on_this_host(target: str) -> bool:
-    """Whether one gRPC target names this host: a Unix socket, ``localhost`` or a loopback
-    address, with or without a port (a name DNS resolves, ``dns:...``: assume not)."""
-    if target.startswith(("unix:", "unix-abstract:")):
-        return True
-    if target.startswith("dns:") or "," in target:
-        return False
-    host = target.removeprefix("ipv4:").removeprefix("ipv6:")
-    if host.startswith("["):  # [::1]:port
-        host = host[1 : host.find("]")]
-    elif host.count(":") == 1:  # host:port (a bare IPv6 address has more colons)
-        host = host.split(":")[0]
-    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 class LocalCalls:

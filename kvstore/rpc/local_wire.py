@@ -10,7 +10,8 @@ same servicer, checks, metrics and errors as over gRPC.
 
 Offers ``METHODS`` (the calls the socket serves, and their message types), ``TAGS``,
 ``HELLO``, ``MAX_FRAME``, ``send_frame``/``recv_frame``, ``FrameError``/``FrameTimeout`` and
-``peer_uid``/``peer_allowed`` (who either end talks to).
+``peer_uid``/``peer_allowed`` (who either end talks to) and ``on_this_host`` (whether an
+address is this host's).
 
 A frame is a 5-byte header, ``<IB``: the body's length and a tag, then the body. A client
 sends first a hello (tag ``HELLO``, the body its bearer token, maybe empty) and waits for
@@ -58,6 +59,22 @@ def peer_allowed(uid: int) -> bool:
     """Both ends talk only to a process of their own user, or root: the store's peers may
     map its shared memory anyway, and a client sends its token only to such a store."""
     return uid in (os.geteuid(), 0)
+
+
+def on_this_host(target: str) -> bool:
+    """Whether one gRPC target, or the peer address gRPC gives a server (``ipv4:``,
+    ``ipv6:[...]``, ``unix:``), names this host: a Unix socket, ``localhost`` or a loopback
+    address, with or without a port (a name DNS resolves, ``dns:...``: assume not)."""
+    if target.startswith(("unix:", "unix-abstract:")):
+        return True
+    if target.startswith("dns:") or "," in target:
+        return False
+    host = target.removeprefix("ipv4:").removeprefix("ipv6:")
+    if host.startswith("["):  # [::1]:port
+        host = host[1 : host.find("]")]
+    elif host.count(":") == 1:  # host:port (a bare IPv6 address has more colons)
+        host = host.split(":")[0]
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 class FrameError(Exception):

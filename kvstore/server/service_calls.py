@@ -27,6 +27,7 @@ from kvstore.core.types import (
     PayloadError,
     TierFullError,
 )
+from kvstore.rpc.local_wire import on_this_host
 from kvstore.server.auth import Caller, Tenants, Unauthenticated
 from kvstore.server.part_buffers import PartBuffers
 from kvstore.server.quotas import QuotaExceeded, Quotas
@@ -79,8 +80,7 @@ def host_of(peer: str) -> str:
 
 def is_local(peer: str) -> bool:
     """Whether the caller is on the store's own host (loopback, or a Unix socket)."""
-    host = host_of(peer)
-    return peer.startswith("unix:") or host.startswith("127.") or host in ("[::1]", "::1")
+    return on_this_host(unquote(peer))
 
 
 def client_of(peer: str) -> str:

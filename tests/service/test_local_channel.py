@@ -24,6 +24,7 @@ from kvstore.server.auth import Tenants
 from kvstore.server.grpc_server import StoreServer
 from kvstore.server.metrics import Metrics
 from kvstore.server.service import Limits
+from kvstore.server.service_calls import client_of, is_local
 from tests.chunks import chain
 from tests.service.conftest import keys_of, payloads_of
 from tests.service.test_disconnect import wait_until
@@ -472,3 +473,19 @@ def test_a_call_still_running_when_the_store_stops_is_answered_unavailable(serve
         served.server.stop()
         t.join(10)
         assert out == {"code": grpc.StatusCode.UNAVAILABLE}
+
+
+@pytest.mark.parametrize(
+    ("peer", "client"),
+    [
+        ("ipv4:127.0.0.1:5555", "peer:local"),
+        ("ipv6:%5B::1%5D:5555", "peer:local"),  # as gRPC writes it
+        ("unix:/tmp/kv.sock", "peer:local"),
+        (local_channel.LOCAL_PEER, "peer:local"),
+        ("ipv4:10.0.0.7:5555", "peer:10.0.0.7"),
+        ("ipv6:%5B2001:db8::1%5D:5555", "peer:[2001:db8::1]"),
+    ],
+)
+def test_callers_of_this_host_are_one_client_and_others_one_per_host(peer, client):
+    assert client_of(peer) == client
+    assert is_local(peer) is (client == "peer:local")
