@@ -45,14 +45,13 @@ METHODS = {
 }
 TAGS = {name: tag for tag, (name, _, _) in METHODS.items()}
 _PIECE = 1 << 20  # bytes read at a time
-
-
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
 def peer_uid(sock: socket.socket) -> int:
     """The user id of the process at the other end of a connected Unix socket."""
-    return _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+    cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    return _PEERCRED.unpack(cred)[1]
 
 
 def peer_allowed(uid: int) -> bool:
@@ -100,11 +99,11 @@ def recv_frame(sock: socket.socket, within_s: float | None = None) -> tuple[int,
     a frame a byte at a time cannot hold the reader past that. The body is read into a
     buffer that grows as bytes come, never sized by the header alone.
     """
-    first = sock.recv(1)
+    first = sock.recv(HEADER.size)  # as much of the header as has come: one call, mostly
     if not first:
         raise EOFError("the peer closed the socket")
     deadline = None if within_s is None else time.monotonic() + within_s
-    head = first + _recv_exact(sock, HEADER.size - 1, deadline)
+    head = first + _recv_exact(sock, HEADER.size - len(first), deadline)
     length, tag = HEADER.unpack(head)
     if length > MAX_FRAME:
         raise FrameError(f"a frame of {length} B is over the limit of {MAX_FRAME} B")
