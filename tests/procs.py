@@ -106,10 +106,20 @@ def stopped_on_failure() -> Iterator[list[Callable[[], object]]]:
         raise
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, and never handed out before by this process: the server
+    it is for binds it only later, and two servers given one port could both start (see
+    ``benchmarks.ports``)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def kv_transfer_config(store: str, codec: str, chunk_tokens: int, **extra) -> dict:
