@@ -100,6 +100,34 @@ def store_stats(address: str):
         return client.stats()
 
 
+def reference(nodes, prompts: list[list[int]]) -> list[list[int]]:
+    """``ref``'s outputs for ``prompts``, checked to come from ``ref``: a server without
+    the connector, so the store takes nothing meanwhile.
+
+    Two full-suite runs once found every test's new prompts already in the store (the
+    prefill server computed only their tails), as if a server with the connector had
+    answered on ``ref``'s port; ``wait_ready`` now checks who listens on each port, and
+    this says at once, with the logs, if it happens again."""
+    ref, store = nodes["ref"], nodes["store"]
+    store_up = store.proc.poll() is None
+    chunks0 = store_stats(store.address).chunks if store_up else 0
+    want = [complete(ref.port, prompt) for prompt in prompts]
+    theirs = sorted(k for k in scrape(ref.port) if k.startswith("vllm:kvstore_"))
+    chunks = store_stats(store.address).chunks - chunks0 if store_up else 0
+    if theirs or chunks:
+        logs = "\n".join(
+            f"--- {name}: {'running' if s.proc.poll() is None else s.proc.returncode}\n"
+            f"{s.log_tail(15)}"
+            for name, s in nodes.items()
+            if isinstance(s, OpenAIServer)
+        )
+        raise AssertionError(
+            f"ref's port {ref.port} answered with the connector's metrics {theirs[:3]}, "
+            f"or the store took {chunks} chunks while only ref was sent requests\n{logs}"
+        )
+    return want
+
+
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     from tests.connector.tiny_llama import build_tiny_llama
@@ -169,9 +197,9 @@ def nodes(tmp_path_factory):
 
 
 def test_pd_through_the_router_loads_every_full_chunk_on_the_decode_server(nodes):
-    ref, p, d, router = nodes["ref"], nodes["p"], nodes["d"], nodes["router"]
+    p, d, router = nodes["p"], nodes["d"], nodes["router"]
     prompts = [tokens(100 + i, n) for i, n in enumerate(PD_LENGTHS)]
-    want = [complete(ref.port, prompt) for prompt in prompts]
+    want = reference(nodes, prompts)
     d_before, p_before = scrape(d.port), scrape(p.port)
 
     got = [complete(router.port, prompts[0])]  # one alone, then the rest at once
@@ -191,10 +219,10 @@ def test_pd_through_the_router_loads_every_full_chunk_on_the_decode_server(nodes
 
 
 def test_the_decode_server_waits_for_a_handoff_still_on_its_way_then_loads_it(nodes):
-    ref, d, router, proxy = nodes["ref"], nodes["d"], nodes["router"], nodes["proxy"]
+    d, router, proxy = nodes["d"], nodes["router"], nodes["proxy"]
     address = nodes["store"].address
     prompt = tokens(150, 1200)
-    want = complete(ref.port, prompt)
+    (want,) = reference(nodes, [prompt])
     d_before = scrape(d.port)
     reserved0 = store_stats(address).reservations
     result: dict = {}
@@ -314,7 +342,7 @@ def computed_once(nodes, prompt: list[int], staggered: bool) -> dict[str, dict[s
     names = ("p", "d", "w")
     address = nodes["store"].address
     full, n_chunks = full_tokens(prompt), full_tokens(prompt) // CHUNK
-    want = complete(nodes["ref"].port, prompt)
+    (want,) = reference(nodes, [prompt])
     before = {n: scrape(nodes[n].port) for n in names}
     store0 = store_stats(address)
     got = met_mid_prefill(nodes, prompt, before) if staggered else at_once(nodes, names, prompt)
@@ -363,7 +391,7 @@ def test_a_writer_killed_mid_prefill_leaves_the_others_computing(nodes):
     address, w = nodes["store"].address, nodes["w"]
     prompt = tokens(300, 2000)
     n_chunks = full_tokens(prompt) // CHUNK
-    want = complete(nodes["ref"].port, prompt)
+    (want,) = reference(nodes, [prompt])
     before = {n: scrape(nodes[n].port) for n in ("p", "d")}
     chunks0 = store_stats(address).chunks
 
@@ -395,10 +423,10 @@ def test_a_writer_killed_mid_prefill_leaves_the_others_computing(nodes):
 
 
 def test_with_the_store_killed_requests_through_the_router_recompute(nodes):
-    ref, d, router = nodes["ref"], nodes["d"], nodes["router"]
+    d, router = nodes["d"], nodes["router"]
     nodes["store"].kill()
     prompts = [tokens(400 + i, n) for i, n in enumerate((1100, 1900))]
-    want = [complete(ref.port, prompt) for prompt in prompts]
+    want = reference(nodes, prompts)
     d_before = scrape(d.port)
     got, seconds = [], []
     for prompt in prompts:
