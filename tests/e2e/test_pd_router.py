@@ -279,11 +279,18 @@ def send_until_reserved(nodes, name: str, prompt: list[int]) -> threading.Thread
             complete(nodes[name].port, prompt)
 
     thread = threading.Thread(target=request, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while store_stats(address).reservations == 0:
-        assert time.monotonic() < deadline, f"{name} never reserved the new prefix"
-        time.sleep(0.005)
+    # one client for the whole wait: a new one per poll took 7.5 ms idle here, more in a
+    # loaded full run, and a tiny model's prefill can come and go between two such polls
+    with KVStoreClient(address) as client:
+        thread.start()
+        deadline = time.monotonic() + 60
+        while client.stats().reservations == 0:
+            assert thread.is_alive(), (
+                f"{name} answered before its reservation was seen: its whole prefill "
+                f"fell between two polls of the store, or its lookup found the prefix stored"
+            )
+            assert time.monotonic() < deadline, f"{name} never reserved the new prefix"
+            time.sleep(0.001)
     return thread
 
 
