@@ -1,6 +1,7 @@
 """Real processes for tests and benchmarks: a `kvstore serve` store and its banner, a free
-loopback port, the connector's vLLM config, waiting for asynchronous saves to land, and
-``stopped_on_failure`` for a fixture that starts several things in turn."""
+loopback port, the connector's vLLM config, waiting for asynchronous saves to land,
+``stopped_on_failure`` for a fixture that starts several things in turn, and ``stop_all``
+for its teardown."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,9 +78,16 @@ class Served:
         port = re.search(r"metrics: http://[^:]+:(\d+)/metrics", text)
         self.metrics_port = int(port.group(1)) if port else None
 
-    def stop(self) -> tuple[int, str]:
+    def stop(self, timeout_s: float = 30) -> tuple[int, str]:
+        """SIGTERM, then ``(exit code, stderr)``; a server not gone ``timeout_s`` later is
+        killed and the timeout raised, so no failed stop leaves it running."""
         self.proc.send_signal(signal.SIGTERM)
-        _, err = self.proc.communicate(timeout=30)
+        try:
+            _, err = self.proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+            raise
         return self.proc.returncode, err
 
     def kill(self) -> None:
@@ -98,12 +106,30 @@ def stopped_on_failure() -> Iterator[list[Callable[[], object]]]:
     try:
         yield stops
     except BaseException as exc:
-        for stop in reversed(stops):
-            try:
-                stop()
-            except Exception as err:  # the failed start is what the run must report
-                exc.add_note(f"stopping what had started failed too: {err!r}")
+        for err in _call_each(reversed(stops)):  # the failed start is what the run reports
+            exc.add_note(f"stopping what had started failed too: {err!r}")
         raise
+
+
+def stop_all(stops: Iterable[Callable[[], object]]) -> None:
+    """A teardown's stops, each called even when one before it raised, so that one failed
+    stop leaves nothing else running; then the first failure is raised, the others noted
+    on it."""
+    errors = _call_each(stops)
+    if errors:
+        for err in errors[1:]:
+            errors[0].add_note(f"another stop failed too: {err!r}")
+        raise errors[0]
+
+
+def _call_each(calls: Iterable[Callable[[], object]]) -> list[Exception]:
+    errors = []
+    for call in calls:
+        try:
+            call()
+        except Exception as err:
+            errors.append(err)
+    return errors
 
 
 _HANDED_OUT: set[int] = set()

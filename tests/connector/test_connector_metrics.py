@@ -20,6 +20,7 @@ from tests.procs import (
     Served,
     free_port,
     kv_transfer_config,
+    stop_all,
     store_config,
     wait_for_chunks,
 )
@@ -70,9 +71,7 @@ def server(tmp_path_factory):
         vllm.wait_ready()
         yield vllm, store
     finally:
-        if vllm is not None:
-            vllm.stop()
-        store.stop()
+        stop_all([*([vllm.stop] if vllm is not None else []), store.stop])
 
 
 def test_vllm_metrics_count_the_connectors_lookups_hits_loads_and_saves(server):

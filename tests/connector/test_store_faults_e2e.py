@@ -28,7 +28,7 @@ from tests.connector.test_vllm_e2e import (
     start_engines,
     tokens,
 )
-from tests.procs import KVSTORE, Served, free_port, store_config, wait_for_chunks
+from tests.procs import KVSTORE, Served, free_port, stop_all, store_config, wait_for_chunks
 from tests.proxy import FaultyProxy
 
 pytest.importorskip("vllm")
@@ -85,16 +85,23 @@ def rig(model, tmp_path_factory):
         state.update(zip(("a", "b"), engines), ref=engines[0])
         yield state
     finally:
-        close_engines(engines)
-        if "proxy" in state:
-            state["proxy"].close()
-        if "store" in state and state["store"].proc.poll() is None:
-            state["store"].stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+
+        def restore_env() -> None:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+        store = state.get("store")
+        stop_all(
+            [
+                lambda: close_engines(engines),
+                *([state["proxy"].close] if "proxy" in state else []),
+                *([store.stop] if store is not None and store.proc.poll() is None else []),
+                restore_env,
+            ]
+        )
 
 
 def ask_b(rig, seed: int) -> dict:

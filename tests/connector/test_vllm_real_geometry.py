@@ -19,7 +19,7 @@ import pytest
 from kvstore.client import ClientOptions, KVStoreClient
 from kvstore.core.keys import Namespace, chunk_keys
 from kvstore.core.payload import HEADER_BYTES, parse_header
-from tests.procs import KVSTORE, Served, store_config, store_hits, wait_for_chunks
+from tests.procs import KVSTORE, Served, stop_all, store_config, store_hits, wait_for_chunks
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -76,8 +76,7 @@ def cluster(model, tmp_path_factory):
             assert "ready" in info, info
         yield {"store": store, "a": engines[0], "b": engines[1]}
     finally:
-        close_engines(engines)
-        store.stop()
+        stop_all([lambda: close_engines(engines), store.stop])
 
 
 def stored_chunk_sizes(address: str, model: Path, prefix: list[int]) -> list[tuple]:

@@ -32,7 +32,7 @@ import pytest
 import yaml
 
 from tests.e2e.compose_local import COMPOSE_FILE, Local, services, start_in_order
-from tests.procs import KVSTORE, ROOT, free_port
+from tests.procs import KVSTORE, ROOT, free_port, stop_all
 
 RUN = ("store-0", "store-1", "prefill", "decode", "router")
 PROFILES = {
@@ -197,8 +197,7 @@ def cluster(tmp_path_factory):
         start_in_order(locals_)
         yield locals_, variables
     finally:
-        for svc in reversed(list(locals_.values())):
-            svc.stop()
+        stop_all(svc.stop for svc in reversed(list(locals_.values())))
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -37,7 +37,14 @@ from benchmarks.openai_server import CPU_ENV, OpenAIServer, scrape
 from benchmarks.router import Router
 from kvstore.client import KVStoreClient
 from tests.connector.test_vllm_e2e import CHUNK, tokens
-from tests.procs import KVSTORE, Served, free_port, kv_transfer_config, store_config
+from tests.procs import (
+    KVSTORE,
+    Served,
+    free_port,
+    kv_transfer_config,
+    stop_all,
+    store_config,
+)
 from tests.proxy import FaultyProxy
 
 pytest.importorskip("vllm")
@@ -184,16 +191,21 @@ def nodes(tmp_path_factory):
         state["router"].wait_ready()
         yield state
     finally:
-        if state["router"] is not None:
-            state["router"].stop()
-        for s in servers.values():
-            s.stop()
-        if state["proxy"] is not None:
-            state["proxy"].close()
-        if state["store"].proc.poll() is not None:
-            # a store started on the killed one's config reclaims its shared memory
-            state["store"] = Served([KVSTORE, "serve", "--config", str(store_cfg)])
-        state["store"].stop()
+
+        def stop_store() -> None:
+            if state["store"].proc.poll() is not None:
+                # a store started on the killed one's config reclaims its shared memory
+                state["store"] = Served([KVSTORE, "serve", "--config", str(store_cfg)])
+            state["store"].stop()
+
+        stop_all(
+            [
+                *([state["router"].stop] if state["router"] is not None else []),
+                *(s.stop for s in servers.values()),
+                *([state["proxy"].close] if state["proxy"] is not None else []),
+                stop_store,
+            ]
+        )
 
 
 def test_pd_through_the_router_loads_every_full_chunk_on_the_decode_server(nodes):

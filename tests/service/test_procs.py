@@ -1,19 +1,21 @@
 """What ``tests.procs`` promises the fixtures that start real processes: a start that
 fails after a ``kvstore serve`` started leaves no store running (``stopped_on_failure``,
-as the module fixtures that start a store and then vLLM engines use it), and a server
-that never prints its banner is not left running either (``Served``)."""
+as the module fixtures that start a store and then vLLM engines use it), a teardown
+whose first stop fails still stops the rest (``stop_all``), and a server that never
+prints its banner, or does not stop when asked, is not left running either (``Served``)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.procs import KVSTORE, Served, stopped_on_failure, store_config
+from tests.procs import KVSTORE, Served, stop_all, stopped_on_failure, store_config
 
 
 def running(pid: int) -> bool:
@@ -82,3 +84,39 @@ def test_a_server_that_never_gives_its_banner_is_not_left_running(tmp_path):
     finally:
         if running(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_teardown_whose_first_stop_fails_still_stops_the_store(tmp_path):
+    store = Served(
+        [KVSTORE, "serve", "--config", str(store_config(tmp_path / "kv.yaml", tmp_path / "db"))]
+    )
+    children = put_process_started(store)
+
+    def router_stop() -> None:
+        raise RuntimeError("the router would not stop")
+
+    try:
+        with pytest.raises(RuntimeError, match="the router would not stop"):
+            stop_all([router_stop, store.stop])
+        alive = [p for p in [store.proc.pid, *children] if running(p)]
+        assert not alive, f"left running after the failed stop: {alive}"
+        assert store.proc.returncode == 0
+    finally:
+        if store.proc.poll() is None:
+            store.stop()
+
+
+def test_a_server_that_ignores_sigterm_is_killed_by_its_stop():
+    banner = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('listening on 127.0.0.1:1', flush=True); "
+        "print('metrics: http://127.0.0.1:2/metrics', flush=True); time.sleep(600)"
+    )
+    server = Served([sys.executable, "-c", banner])
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            server.stop(timeout_s=1)
+        assert server.proc.returncode == -signal.SIGKILL
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
