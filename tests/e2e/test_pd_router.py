@@ -114,7 +114,7 @@ def reference(nodes, prompts: list[list[int]]) -> list[list[int]]:
     Two full-suite runs once found every test's new prompts already in the store (the
     prefill server computed only their tails), as if a server with the connector had
     answered on ``ref``'s port; ``wait_ready`` now checks who listens on each port, and
-    this says at once, with the logs, if it happens again."""
+    this says at once if it happens again (``logs_on_failure`` shows the logs)."""
     ref, store = nodes["ref"], nodes["store"]
     store_up = store.proc.poll() is None
     chunks0 = store_stats(store.address).chunks if store_up else 0
@@ -122,15 +122,9 @@ def reference(nodes, prompts: list[list[int]]) -> list[list[int]]:
     theirs = sorted(k for k in scrape(ref.port) if k.startswith("vllm:kvstore_"))
     chunks = store_stats(store.address).chunks - chunks0 if store_up else 0
     if theirs or chunks:
-        logs = "\n".join(
-            f"--- {name}: {'running' if s.proc.poll() is None else s.proc.returncode}\n"
-            f"{s.log_tail(15)}"
-            for name, s in nodes.items()
-            if isinstance(s, OpenAIServer)
-        )
         raise AssertionError(
             f"ref's port {ref.port} answered with the connector's metrics {theirs[:3]}, "
-            f"or the store took {chunks} chunks while only ref was sent requests\n{logs}"
+            f"or the store took {chunks} chunks while only ref was sent requests"
         )
     return want
 
@@ -206,6 +200,26 @@ def nodes(tmp_path_factory):
                 stop_store,
             ]
         )
+
+
+def log_tails(nodes, lines: int) -> str:
+    return "\n".join(
+        f"--- {name}: {'running' if s.proc.poll() is None else s.proc.returncode}\n"
+        f"{s.log_tail(lines)}"
+        for name, s in nodes.items()
+        if isinstance(s, OpenAIServer)
+    )
+
+
+@pytest.fixture(autouse=True)
+def logs_on_failure(request, nodes):
+    """A failed test's run shows the servers' log tails: their files go with the run's
+    temporary folder, which a CI run does not keep."""
+    failed = request.session.testsfailed
+    yield
+    if request.session.testsfailed > failed:
+        terminal = request.config.pluginmanager.get_plugin("terminalreporter")
+        terminal.write_line(f"\nservers' logs after {request.node.name}:\n{log_tails(nodes, 30)}")
 
 
 def test_pd_through_the_router_loads_every_full_chunk_on_the_decode_server(nodes):
