@@ -13,6 +13,10 @@ processes, all started by this script, all measured in the same run:
 - (c) ``kvstore_raw``: node A (connector, codec raw) served the prefix; node B
   (connector, prefix caching on) has never seen it and loads it from the store.
 - (d) ``kvstore_fp8``: the same with a pair of fp8 nodes.
+- (b') ``vllm_prefix_cache_fp8_node``: (b) on the fp8 node B, so that each codec is also
+  compared with its own node's warm cache: two servers started alike differ by ~1 ms
+  here (the same codec on both, see benchmarks/README.md), which a cross-node
+  ``fp8`` over ``raw`` would count as the codec's.
 - (c') ``kvstore_raw_layerwise``, with ``--layerwise-too``: a sixth server, like (c) but
   writing each hit into the cache layer by layer during the forward (``load_layerwise``;
   (c) and (d) load whole before it, the connector's default), on the same prefixes.
@@ -26,7 +30,8 @@ cached are checked: 0 for (a), the whole prefix for (b)-(d). TTFT is measured by
 a streaming client from the request to the first streamed token. Each round measures
 (c) and (d) back to back, in alternating order; ``store_over_local`` in the JSON holds
 issue 13's ratios: each codec's median over (b)'s, and ``fp8`` over ``raw`` three ways
-(medians, the median of the rounds' own ratios, and the engine's part alone).
+(medians, the median of the rounds' own ratios, and the engine's part alone), and node
+matched: each codec over its own node's warm cache, ``fp8``'s over ``raw``'s.
 
 The model is a tiny Llama with random weights, built here, with Llama-3-8B's
 compute-to-KV ratio: see ``SHAPE`` and ``shape_report``. On a GPU host (vllm==0.33)
@@ -59,7 +64,13 @@ from tests.procs import (  # noqa: E402
     wait_for_chunks,
 )
 
-CONFIGS = ["recompute", "vllm_prefix_cache", "kvstore_raw", "kvstore_fp8"]
+CONFIGS = [
+    "recompute",
+    "vllm_prefix_cache",
+    "kvstore_raw",
+    "kvstore_fp8",
+    "vllm_prefix_cache_fp8_node",
+]
 
 
 def configs(args) -> list[str]:
@@ -311,6 +322,9 @@ class Bench(ModelBench):
                 self.prefill_on_a(codec, prefix + self.tokens(SUFFIX))
                 progress.step(f"node A {codec} {length}")
                 record(f"kvstore_{codec}", f"b_{codec}", prefix + self.tokens(SUFFIX), length)
+                if codec == "fp8":  # (b) on this node too: each codec against its own node
+                    suffix = self.tokens(SUFFIX)
+                    record("vllm_prefix_cache_fp8_node", "b_fp8", prefix + suffix, length)
                 if codec == "raw":
                     if self.args.layerwise_too:
                         suffix = self.tokens(SUFFIX)
@@ -396,7 +410,11 @@ def store_over_local(samples: dict, split: dict) -> dict:
     prefix cache, per codec; ``fp8`` over ``raw`` from the medians, and as the median of
     the rounds' own ratios (both codecs measured back to back in each round); and ``fp8``
     over ``raw`` for the engine's part alone (``prefill``: schedule to first token, which
-    holds the lookup, the load and the forward), without the HTTP front end."""
+    holds the lookup, the load and the forward), without the HTTP front end. Where the fp8
+    node's own warm cache was measured too: ``fp8`` over it, ``local_fp8_node_over_local``
+    (the two nodes' own hits: what the nodes differ by, codec aside), and ``fp8`` over
+    ``raw`` node matched (each over its own node's warm cache; medians, and the median of
+    the rounds' own ratios)."""
     med = statistics.median
     out: dict = {}
     for n, local in samples["vllm_prefix_cache"].items():
@@ -409,6 +427,15 @@ def store_over_local(samples: dict, split: dict) -> dict:
             "fp8_over_raw": round(med(fp8) / med(raw), 3),
             "fp8_over_raw_paired": round(med(f / r for f, r in zip(fp8, raw, strict=False)), 3),
         }
+        own = samples.get("vllm_prefix_cache_fp8_node", {}).get(n)
+        if own:
+            fp8_own = med(fp8) / med(own)
+            row["fp8_over_own_local"] = round(fp8_own, 3)
+            row["local_fp8_node_over_local"] = round(med(own) / med(local), 3)
+            row["fp8_over_raw_node_matched"] = round(fp8_own / (med(raw) / med(local)), 3)
+            rounds = zip(fp8, own, raw, local, strict=False)
+            paired = med((f / o) / (r / lo) for f, o, r, lo in rounds)
+            row["fp8_over_raw_node_matched_paired"] = round(paired, 3)
         engine = [split.get(f"kvstore_{c}", {}).get(n) for c in ("raw", "fp8")]
         if all(engine):  # vLLM's histograms were read for both
             raw_ms, fp8_ms = (med(prefill for _, prefill, _ in e) for e in engine)

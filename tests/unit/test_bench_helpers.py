@@ -89,3 +89,22 @@ def test_store_over_local_pairs_each_round_and_splits_out_the_engine():
     assert "16384" not in store_over_local(samples, split)  # no local sample: no ratio
     del split["kvstore_fp8"]  # vLLM's histograms not read for one codec: no engine ratio
     assert "fp8_over_raw_engine" not in store_over_local(samples, split)["4096"]
+    assert "fp8_over_raw_node_matched" not in row  # the fp8 node's own hits not measured
+
+
+def test_store_over_local_matches_each_codec_with_its_own_nodes_warm_cache():
+    # the fp8 node is 10 % slower than the raw node at its own hits: node matched, fp8's
+    # 29 / 22 over raw's 30 / 20, not the 29 / 30 of the two nodes' store hits
+    samples = {
+        "vllm_prefix_cache": {4096: [20.0, 20.0, 40.0]},
+        "kvstore_raw": {4096: [30.0, 30.0, 50.0]},
+        "kvstore_fp8": {4096: [29.0, 29.0, 58.0]},
+        "vllm_prefix_cache_fp8_node": {4096: [22.0, 22.0, 29.0]},
+    }
+    row = store_over_local(samples, {})["4096"]
+    assert row["fp8_over_raw"] == round(29 / 30, 3)
+    assert row["local_fp8_node_over_local"] == 1.1
+    assert row["fp8_over_own_local"] == round(29 / 22, 3)
+    assert row["fp8_over_raw_node_matched"] == round((29 / 22) / (30 / 20), 3)
+    # per round: (29/22)/(30/20) twice, then (58/29)/(50/40) = 1.6; the median is the first
+    assert row["fp8_over_raw_node_matched_paired"] == round((29 / 22) / (30 / 20), 3)
