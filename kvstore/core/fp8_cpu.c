@@ -452,6 +452,62 @@ DEFINE(F32, f32)
 DEFINE(BF16, bf16)
 DEFINE(F16, f16)
 
+/* K's [N, D] -> [D, N] turn, 8 x 8 values at a time: three rounds of vector shuffles
+ * instead of 64 scalar moves. A layer's copy into blocks is mostly memory-bound: 8 MiB of
+ * the ttft model (f32, 1 head x 64) 3.27 -> 3.07 ms from cold caches, 64 MiB of Llama-3-8B
+ * geometry (bf16, 8 heads x 128) 18.6 -> 15.1 ms (alternated, AMD host). The tile reads 8
+ * rows of src (stride ss) and writes 8 rows of dst (stride ds), values of 2 or 4 bytes;
+ * unaligned loads and stores through memcpy. */
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define KV_TILES 1
+#endif
+#endif
+#if defined(KV_TILES)
+typedef uint32_t kv_u32x8 __attribute__((vector_size(32)));
+typedef uint16_t kv_u16x8 __attribute__((vector_size(16)));
+#define KV_LO3 0, 1, 2, 3, 8, 9, 10, 11 /* both sizes: join the low halves */
+#define KV_HI3 4, 5, 6, 7, 12, 13, 14, 15
+#define KV_TURN(VT, TYPE, LO1, HI1, LO2, HI2, ROW_LO, ROW_HI)                             \
+    static inline void turn8_##TYPE(const TYPE *src, int64_t ss, TYPE *dst, int64_t ds) { \
+        VT r[8], t[8], u[8];                                                              \
+        for (int i = 0; i < 8; i++) memcpy(&r[i], src + i * ss, sizeof(VT));              \
+        for (int i = 0; i < 8; i += 2) {                                                  \
+            t[i] = __builtin_shufflevector(r[i], r[i + 1], LO1);                          \
+            t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], HI1);                      \
+        }                                                                                 \
+        for (int i = 0; i < 8; i += 4)                                                    \
+            for (int k = 0; k < 2; k++) {                                                 \
+                u[i + 2 * k] = __builtin_shufflevector(t[i + k], t[i + k + 2], LO2);      \
+                u[i + 2 * k + 1] = __builtin_shufflevector(t[i + k], t[i + k + 2], HI2);  \
+            }                                                                             \
+        for (int k = 0; k < 4; k++) {                                                     \
+            VT lo = __builtin_shufflevector(u[k], u[k + 4], KV_LO3);                      \
+            VT hi = __builtin_shufflevector(u[k], u[k + 4], KV_HI3);                      \
+            memcpy(dst + ROW_LO(k) * ds, &lo, sizeof(VT));                                \
+            memcpy(dst + ROW_HI(k) * ds, &hi, sizeof(VT));                                \
+        }                                                                                 \
+    }
+/* 4-byte values, 256-bit rows: pairs interleave within 128-bit halves, so after the
+ * second round u[k] holds columns k (low half) and k + 4 (high half) of rows 0-3 (u[k])
+ * and 4-7 (u[k + 4]); the third round joins the halves. 2-byte values, 128-bit rows:
+ * after the second round u[k] holds columns 2k and 2k + 1 of rows 0-3 (u[k + 4]: 4-7). */
+#define KV32_ROW_LO(k) (k)
+#define KV32_ROW_HI(k) ((k) + 4)
+#define KV32_LO1 0, 8, 1, 9, 4, 12, 5, 13
+#define KV32_HI1 2, 10, 3, 11, 6, 14, 7, 15
+#define KV32_LO2 0, 1, 8, 9, 4, 5, 12, 13
+#define KV32_HI2 2, 3, 10, 11, 6, 7, 14, 15
+#define KV16_ROW_LO(k) (2 * (k))
+#define KV16_ROW_HI(k) (2 * (k) + 1)
+#define KV16_LO1 0, 8, 1, 9, 2, 10, 3, 11
+#define KV16_HI1 4, 12, 5, 13, 6, 14, 7, 15
+#define KV16_LO2 0, 1, 8, 9, 2, 3, 10, 11
+#define KV16_HI2 4, 5, 12, 13, 6, 7, 14, 15
+KV_TURN(kv_u32x8, uint32_t, KV32_LO1, KV32_HI1, KV32_LO2, KV32_HI2, KV32_ROW_LO, KV32_ROW_HI)
+KV_TURN(kv_u16x8, uint16_t, KV16_LO1, KV16_HI1, KV16_LO2, KV16_HI2, KV16_ROW_LO, KV16_ROW_HI)
+#endif
+
 /* One layer of a load's chunks decoded straight into an engine's paged cache (no batch,
  * no staging copy). geo = {chunks, heads, tokens, dim, block tokens N, head stride, K's
  * token and dim strides, V's offset, token and dim strides}, in elements of the cache:
@@ -459,35 +515,62 @@ DEFINE(F16, f16)
  * holds per chunk the layer's K codes [H, T, D], V codes, K scales [H, D], V scales [H, T].
  * The order is vLLM's CPU "VEC" one: K [D, N] (token stride 1: a row per dim) and V [N, D]
  * (dim stride 1, token stride D: its rows abut); kv_place_ok refuses any other. */
-#define DEFINE_BLOCKS(DT, NAME)                                                           \
+#if defined(KV_TILES)
+#define KV_TURN_TILE(TYPE, tile, o)                                                       \
+    for (int64_t d = 0; d < D; d += 8)                                                    \
+        for (int64_t n = 0; n < N; n += 8) turn8_##TYPE(tile + n * D + d, D, o + d * ksd + n, ksd);
+#else
+#define KV_TURN_TILE(TYPE, tile, o)                                                       \
+    for (int64_t d = 0; d < D; d++)                                                       \
+        for (int64_t n = 0; n < N; n++) o[d * ksd + n] = tile[n * D + d];
+#endif
+#define DEFINE_BLOCKS(DT, NAME, TYPE)                                                     \
     static void blocks_##NAME(const int64_t *ptrs, const int64_t *off, char *out,         \
                               const int64_t *g, int64_t esize) {                          \
         const int64_t m = g[0], heads = g[1], T = g[2], D = g[3], N = g[4], sh = g[5];    \
         const int64_t ksd = g[7], voff = g[8], vsn = g[9], nb = T / N;                    \
+        /* K: a block's [N, D] codes decoded row by row (the vector decoder) into a tile, \
+         * then turned into the cache's [D, N] 8 x 8 values at a time; without the tile   \
+         * (no memory, or N or D not a multiple of 8), one value at a time */             \
+        const int tiles = N % 8 == 0 && D % 8 == 0;                                       \
+        TYPE *tile = tiles ? malloc((size_t)(N * D) * sizeof(TYPE)) : NULL;               \
+        float *fk = tile != NULL ? malloc((size_t)D * sizeof(float)) : NULL;              \
         for (int64_t j = 0; j < m; j++) {                                                 \
             const uint8_t *kc = (const uint8_t *)ptrs[4 * j];                             \
             const uint8_t *vc = (const uint8_t *)ptrs[4 * j + 1];                         \
             const float *ks = (const float *)ptrs[4 * j + 2];                             \
             const float *vs = (const float *)ptrs[4 * j + 3];                             \
-            for (int64_t h = 0; h < heads; h++)                                           \
+            for (int64_t h = 0; h < heads; h++) {                                         \
+                const float *kh = ks + h * D;                                             \
+                const float *f = fk != NULL ? fold(kh, fk, D) : NULL;                     \
                 for (int64_t i = 0; i < nb; i++) {                                        \
                     char *o = out + (off[j * nb + i] + h * sh) * esize;                   \
                     const uint8_t *kb = kc + (h * T + i * N) * D;                         \
                     const uint8_t *vb = vc + (h * T + i * N) * D;                         \
-                    const float *kh = ks + h * D, *vt = vs + h * T + i * N;               \
-                    for (int64_t d = 0; d < D; d++) {                                     \
-                        char *od = o + d * ksd * esize;                                   \
+                    const float *vt = vs + h * T + i * N;                                 \
+                    if (fk != NULL) {                                                     \
                         for (int64_t n = 0; n < N; n++)                                   \
-                            store(od, n, e4m3_value(kb[n * D + d]) * kh[d], DT);          \
+                            values_cols_##NAME(kb + n * D, kh, f, tile + n * D, D);       \
+                        TYPE *ok = (TYPE *)o;                                             \
+                        KV_TURN_TILE(TYPE, tile, ok)                                      \
+                    } else {                                                              \
+                        for (int64_t d = 0; d < D; d++) {                                 \
+                            char *od = o + d * ksd * esize;                               \
+                            for (int64_t n = 0; n < N; n++)                               \
+                                store(od, n, e4m3_value(kb[n * D + d]) * kh[d], DT);      \
+                        }                                                                 \
                     }                                                                     \
                     for (int64_t n = 0; n < N; n++)                                       \
                         values_one_##NAME(vb + n * D, vt[n], o + (voff + n * vsn) * esize, D); \
                 }                                                                         \
+            }                                                                             \
         }                                                                                 \
+        free(fk);                                                                         \
+        free(tile);                                                                       \
     }
-DEFINE_BLOCKS(F32, f32)
-DEFINE_BLOCKS(BF16, bf16)
-DEFINE_BLOCKS(F16, f16)
+DEFINE_BLOCKS(F32, f32, uint32_t)
+DEFINE_BLOCKS(BF16, bf16, uint16_t)
+DEFINE_BLOCKS(F16, f16, uint16_t)
 
 typedef int (*encoder)(const char *, uint8_t *, float *, int64_t, int64_t, int64_t, int,
                         int64_t);
@@ -547,61 +630,6 @@ int kv_fp8_decode_blocks(const int64_t *ptrs, const int64_t *off, void *out, int
     return 0;
 }
 
-/* K's [N, D] -> [D, N] turn, 8 x 8 values at a time: three rounds of vector shuffles
- * instead of 64 scalar moves. A layer's copy into blocks is mostly memory-bound: 8 MiB of
- * the ttft model (f32, 1 head x 64) 3.27 -> 3.07 ms from cold caches, 64 MiB of Llama-3-8B
- * geometry (bf16, 8 heads x 128) 18.6 -> 15.1 ms (alternated, AMD host). The tile reads 8
- * rows of src (stride ss) and writes 8 rows of dst (stride ds), values of 2 or 4 bytes;
- * unaligned loads and stores through memcpy. */
-#if defined(__has_builtin)
-#if __has_builtin(__builtin_shufflevector)
-#define KV_TILES 1
-#endif
-#endif
-#if defined(KV_TILES)
-typedef uint32_t kv_u32x8 __attribute__((vector_size(32)));
-typedef uint16_t kv_u16x8 __attribute__((vector_size(16)));
-#define KV_LO3 0, 1, 2, 3, 8, 9, 10, 11 /* both sizes: join the low halves */
-#define KV_HI3 4, 5, 6, 7, 12, 13, 14, 15
-#define KV_TURN(VT, TYPE, LO1, HI1, LO2, HI2, ROW_LO, ROW_HI)                             \
-    static inline void turn8_##TYPE(const TYPE *src, int64_t ss, TYPE *dst, int64_t ds) { \
-        VT r[8], t[8], u[8];                                                              \
-        for (int i = 0; i < 8; i++) memcpy(&r[i], src + i * ss, sizeof(VT));              \
-        for (int i = 0; i < 8; i += 2) {                                                  \
-            t[i] = __builtin_shufflevector(r[i], r[i + 1], LO1);                          \
-            t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], HI1);                      \
-        }                                                                                 \
-        for (int i = 0; i < 8; i += 4)                                                    \
-            for (int k = 0; k < 2; k++) {                                                 \
-                u[i + 2 * k] = __builtin_shufflevector(t[i + k], t[i + k + 2], LO2);      \
-                u[i + 2 * k + 1] = __builtin_shufflevector(t[i + k], t[i + k + 2], HI2);  \
-            }                                                                             \
-        for (int k = 0; k < 4; k++) {                                                     \
-            VT lo = __builtin_shufflevector(u[k], u[k + 4], KV_LO3);                      \
-            VT hi = __builtin_shufflevector(u[k], u[k + 4], KV_HI3);                      \
-            memcpy(dst + ROW_LO(k) * ds, &lo, sizeof(VT));                                \
-            memcpy(dst + ROW_HI(k) * ds, &hi, sizeof(VT));                                \
-        }                                                                                 \
-    }
-/* 4-byte values, 256-bit rows: pairs interleave within 128-bit halves, so after the
- * second round u[k] holds columns k (low half) and k + 4 (high half) of rows 0-3 (u[k])
- * and 4-7 (u[k + 4]); the third round joins the halves. 2-byte values, 128-bit rows:
- * after the second round u[k] holds columns 2k and 2k + 1 of rows 0-3 (u[k + 4]: 4-7). */
-#define KV32_ROW_LO(k) (k)
-#define KV32_ROW_HI(k) ((k) + 4)
-#define KV32_LO1 0, 8, 1, 9, 4, 12, 5, 13
-#define KV32_HI1 2, 10, 3, 11, 6, 14, 7, 15
-#define KV32_LO2 0, 1, 8, 9, 4, 5, 12, 13
-#define KV32_HI2 2, 3, 10, 11, 6, 7, 14, 15
-#define KV16_ROW_LO(k) (2 * (k))
-#define KV16_ROW_HI(k) (2 * (k) + 1)
-#define KV16_LO1 0, 8, 1, 9, 2, 10, 3, 11
-#define KV16_HI1 4, 12, 5, 13, 6, 14, 7, 15
-#define KV16_LO2 0, 1, 8, 9, 2, 3, 10, 11
-#define KV16_HI2 4, 5, 12, 13, 6, 7, 14, 15
-KV_TURN(kv_u32x8, uint32_t, KV32_LO1, KV32_HI1, KV32_LO2, KV32_HI2, KV32_ROW_LO, KV32_ROW_HI)
-KV_TURN(kv_u16x8, uint16_t, KV16_LO1, KV16_HI1, KV16_LO2, KV16_HI2, KV16_ROW_LO, KV16_ROW_HI)
-#endif
 
 /* The same placement for raw chunks (no codec): chunk j's layer K and V, [H, T, D] values of
  * the cache's own type (2 or 4 bytes), at ptrs[2 j] and ptrs[2 j + 1], copied into the blocks
