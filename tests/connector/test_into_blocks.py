@@ -130,6 +130,32 @@ def test_raw_chunks_of_any_head_dim_land_as_scatter_puts_them(dtype, dim):
     assert torch.equal(have, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [8, 12, 136])  # K decoded into 8 x 8 tiles, or value by value
+def test_fp8_chunks_of_any_head_dim_land_as_decode_and_scatter_put_them(monkeypatch, dtype, dim):
+    monkeypatch.setattr(codec._Kernels, "native", codec._Kernels.native)
+    assert codec.compile_kernels((LAYERS, H, T, dim), dtype)
+    layout = CpuLayout(N, dim)
+    g = torch.Generator().manual_seed(dim)
+    big = 1e5 if dtype == torch.float32 else 1.0  # K scales past 2^7: not folded, scalar
+    chunks = []
+    for _ in range(2):
+        k = torch.randn(LAYERS, H, T, dim, generator=g) * torch.exp2(torch.randn(dim, generator=g))
+        k[..., 0] *= big
+        chunks.append(codec.encode(k.to(dtype), torch.randn(LAYERS, H, T, dim).to(dtype), "fp8"))
+    got, error = codec.decode_many(chunks, defer_fp8=True)
+    assert error is None and isinstance(got.stacked, codec.Fp8Batch)
+    want = torch.randn(BLOCKS, H, N, 2 * dim, generator=g).to(dtype)
+    have = want.clone()
+    blocks = [7, 2, 11, 0]
+    for layer in range(LAYERS):
+        assert layout.write_fp8(have, blocks, got.stacked, layer, 0, 2)
+        for j in range(2):
+            k, v = codec.decode(chunks[j])
+            layout.scatter(want, blocks[2 * j : 2 * j + 2], k[layer], v[layer])
+        assert torch.equal(have, want), f"layer {layer}"
+
+
 def test_raw_parts_that_cannot_be_copied_so_are_left_to_scatter_many():
     layout = CpuLayout(N, D)
     k = torch.randn(2, H, T, D)
