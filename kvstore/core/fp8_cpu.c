@@ -453,8 +453,9 @@ DEFINE(BF16, bf16)
 DEFINE(F16, f16)
 
 /* K's [N, D] -> [D, N] turn, 8 x 8 values at a time: three rounds of vector shuffles
- * instead of 64 scalar moves. A layer's copy into blocks is mostly memory-bound: 8 MiB of
- * the ttft model (f32, 1 head x 64) 3.27 -> 3.07 ms from cold caches, 64 MiB of Llama-3-8B
+ * instead of 64 scalar moves, for the fp8 block writer (its decoded tile) and the raw copy
+ * below. The raw copy into blocks is mostly memory-bound; the tiles took 8 MiB of the ttft
+ * model (f32, 1 head x 64) 3.27 -> 3.07 ms from cold caches, 64 MiB of Llama-3-8B
  * geometry (bf16, 8 heads x 128) 18.6 -> 15.1 ms (alternated, AMD host). The tile reads 8
  * rows of src (stride ss) and writes 8 rows of dst (stride ds), values of 2 or 4 bytes;
  * unaligned loads and stores through memcpy. */
@@ -515,14 +516,16 @@ KV_TURN(kv_u16x8, uint16_t, KV16_LO1, KV16_HI1, KV16_LO2, KV16_HI2, KV16_ROW_LO,
  * holds per chunk the layer's K codes [H, T, D], V codes, K scales [H, D], V scales [H, T].
  * The order is vLLM's CPU "VEC" one: K [D, N] (token stride 1: a row per dim) and V [N, D]
  * (dim stride 1, token stride D: its rows abut); kv_place_ok refuses any other. */
+/* src's [N, D] values (D a row) into dst's [D, N] (ksd a row); N and D multiples of 8. The
+ * scalar form moves bytes (memcpy): the fp8 writer's tile was written as float or _Float16. */
 #if defined(KV_TILES)
-#define KV_TURN_TILE(TYPE, tile, o)                                                       \
+#define KV_TURN_TILE(TYPE, src, dst)                                                      \
     for (int64_t d = 0; d < D; d += 8)                                                    \
-        for (int64_t n = 0; n < N; n += 8) turn8_##TYPE(tile + n * D + d, D, o + d * ksd + n, ksd);
+        for (int64_t n = 0; n < N; n += 8) turn8_##TYPE(src + n * D + d, D, dst + d * ksd + n, ksd);
 #else
-#define KV_TURN_TILE(TYPE, tile, o)                                                       \
+#define KV_TURN_TILE(TYPE, src, dst)                                                      \
     for (int64_t d = 0; d < D; d++)                                                       \
-        for (int64_t n = 0; n < N; n++) o[d * ksd + n] = tile[n * D + d];
+        for (int64_t n = 0; n < N; n++) memcpy(dst + d * ksd + n, src + n * D + d, sizeof(TYPE));
 #endif
 #define DEFINE_BLOCKS(DT, NAME, TYPE)                                                     \
     static void blocks_##NAME(const int64_t *ptrs, const int64_t *off, char *out,         \
@@ -630,15 +633,13 @@ int kv_fp8_decode_blocks(const int64_t *ptrs, const int64_t *off, void *out, int
     return 0;
 }
 
-
 /* The same placement for raw chunks (no codec): chunk j's layer K and V, [H, T, D] values of
  * the cache's own type (2 or 4 bytes), at ptrs[2 j] and ptrs[2 j + 1], copied into the blocks
  * geo and off describe (as kv_fp8_decode_blocks), with no staging copy. */
 #if defined(KV_TILES)
 #define KV_TURN_TILES(TYPE)                                                               \
     if (N % 8 == 0 && D % 8 == 0) {                                                       \
-        for (int64_t d = 0; d < D; d += 8)                                                \
-            for (int64_t n = 0; n < N; n += 8) turn8_##TYPE(kb + n * D + d, D, o + d * ksd + n, ksd); \
+        KV_TURN_TILE(TYPE, kb, o)                                                         \
         continue;                                                                         \
     }
 #else

@@ -137,12 +137,15 @@ def test_fp8_chunks_of_any_head_dim_land_as_decode_and_scatter_put_them(monkeypa
     assert codec.compile_kernels((LAYERS, H, T, dim), dtype)
     layout = CpuLayout(N, dim)
     g = torch.Generator().manual_seed(dim)
-    big = 1e5 if dtype == torch.float32 else 1.0  # K scales past 2^7: not folded, scalar
     chunks = []
-    for _ in range(2):
+    for j in range(2):
         k = torch.randn(LAYERS, H, T, dim, generator=g) * torch.exp2(torch.randn(dim, generator=g))
-        k[..., 0] *= big
-        chunks.append(codec.encode(k.to(dtype), torch.randn(LAYERS, H, T, dim).to(dtype), "fp8"))
+        v = torch.randn(LAYERS, H, T, dim, generator=g)
+        if j == 0:  # layer 0: channel 0's scale past 2^7 (not folded); layer 1: NaN scales
+            k[0, ..., 0] = (torch.rand(H, T, generator=g) * 2 - 1) * 6e4
+            k[0, 0, 0, 0] = 6e4  # under float16's largest
+            k[1, 0, 3, 1], v[1, 0, 5, 2] = float("nan"), float("nan")
+        chunks.append(codec.encode(k.to(dtype), v.to(dtype), "fp8"))
     got, error = codec.decode_many(chunks, defer_fp8=True)
     assert error is None and isinstance(got.stacked, codec.Fp8Batch)
     want = torch.randn(BLOCKS, H, N, 2 * dim, generator=g).to(dtype)
@@ -153,7 +156,9 @@ def test_fp8_chunks_of_any_head_dim_land_as_decode_and_scatter_put_them(monkeypa
         for j in range(2):
             k, v = codec.decode(chunks[j])
             layout.scatter(want, blocks[2 * j : 2 * j + 2], k[layer], v[layer])
-        assert torch.equal(have, want), f"layer {layer}"
+        bits = torch.int32 if dtype == torch.float32 else torch.int16  # NaNs compared too
+        assert torch.equal(have.view(bits), want.view(bits)), f"layer {layer}"
+    assert have.isnan().any()  # the NaN case was written
 
 
 def test_raw_parts_that_cannot_be_copied_so_are_left_to_scatter_many():
