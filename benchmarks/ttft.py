@@ -14,9 +14,9 @@ processes, all started by this script, all measured in the same run:
   (connector, prefix caching on) has never seen it and loads it from the store.
 - (d) ``kvstore_fp8``: the same with a pair of fp8 nodes.
 - (b') ``vllm_prefix_cache_fp8_node``: (b) on the fp8 node B, so that each codec is also
-  compared with its own node's warm cache: two servers started alike differ by ~1 ms
-  here (the same codec on both, see benchmarks/README.md), which a cross-node
-  ``fp8`` over ``raw`` would count as the codec's.
+  compared with its own node's warm cache: two servers started alike differed by up to
+  6 % here at their own hits (and with the same codec on both, see benchmarks/README.md),
+  which a cross-node ``fp8`` over ``raw`` counts as the codec's.
 - (c') ``kvstore_raw_layerwise``, with ``--layerwise-too``: a sixth server, like (c) but
   writing each hit into the cache layer by layer during the forward (``load_layerwise``;
   (c) and (d) load whole before it, the connector's default), on the same prefixes.
