@@ -16,11 +16,16 @@ pytestmark = pytest.mark.skipif(fp8_cpu.load() is None, reason="no C compiler he
 LAYERS, H, T, D, N, BLOCKS = 2, 2, 64, 32, 32, 12
 
 
+def use_native(monkeypatch, shape, dtype=torch.float32):
+    """The codec on its C loops for chunks of ``shape``, undone after the test."""
+    monkeypatch.setattr(codec._Kernels, "native", codec._Kernels.native)
+    assert codec.compile_kernels(shape, dtype)
+    assert codec._Kernels.native
+
+
 @pytest.fixture
 def native(monkeypatch):
-    monkeypatch.setattr(codec._Kernels, "native", codec._Kernels.native)
-    assert codec.compile_kernels((LAYERS, H, T, D), torch.float32)
-    assert codec._Kernels.native
+    use_native(monkeypatch, (LAYERS, H, T, D))
 
 
 def payloads(dtype, count, seed=0):
@@ -133,8 +138,7 @@ def test_raw_chunks_of_any_head_dim_land_as_scatter_puts_them(dtype, dim):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dim", [8, 12, 136])  # K decoded into 8 x 8 tiles, or value by value
 def test_fp8_chunks_of_any_head_dim_land_as_decode_and_scatter_put_them(monkeypatch, dtype, dim):
-    monkeypatch.setattr(codec._Kernels, "native", codec._Kernels.native)
-    assert codec.compile_kernels((LAYERS, H, T, dim), dtype)
+    use_native(monkeypatch, (LAYERS, H, T, dim), dtype)
     layout = CpuLayout(N, dim)
     g = torch.Generator().manual_seed(dim)
     chunks = []
