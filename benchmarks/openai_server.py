@@ -161,6 +161,25 @@ class OpenAIServer:
             raise RuntimeError(f"{self.name}: the stream ended without a token")
         return first, cached
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty vLLM's own prefix cache (the connector's store is left alone); False when
+        vLLM refused, e.g. while a request still holds blocks. Needs the development
+        endpoints: the server must run with ``VLLM_SERVER_DEV_MODE=1``."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            conn.request("POST", "/reset_prefix_cache")
+            resp = conn.getresponse()
+            body = resp.read()
+        finally:
+            conn.close()
+        if resp.status != 200:
+            self._check_alive()
+            raise RuntimeError(
+                f"{self.name}: /reset_prefix_cache answered HTTP {resp.status} "
+                f"(started without VLLM_SERVER_DEV_MODE=1?): {body[:200]!r}"
+            )
+        return bool(json.loads(body).get("success"))
+
     def stop(self) -> None:
         """``stop_group`` of the server's process group (its engine processes too)."""
         stop_group(self.proc)

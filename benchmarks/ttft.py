@@ -25,9 +25,12 @@ All servers here share the store's host, so the connector's ``auto`` transport c
 through shared memory; ``--transport tcp`` measures what a store on another node costs.
 
 Every request is prefix + 16 fresh tokens; each measured prefix is new to the node
-it is measured on (except in (b), on purpose), and the tokens the server reports
-cached are checked: 0 for (a), the whole prefix for (b)-(d). TTFT is measured by
-a streaming client from the request to the first streamed token. Each round measures
+it is measured on (except in (b), on purpose): with ``--hits K`` each stored prefix is
+loaded K times, node B's own prefix cache emptied (vLLM's ``/reset_prefix_cache``, a
+development endpoint, so the B servers run with ``VLLM_SERVER_DEV_MODE=1``) before each
+load after the first, so one prefill on node A gives K samples of (b)-(d). The tokens
+the server reports cached are checked: 0 for (a), the whole prefix for (b)-(d). TTFT is
+measured by a streaming client from the request to the first streamed token. Each round measures
 (c) and (d) back to back, in alternating order; ``store_over_local`` in the JSON holds
 issue 13's ratios: each codec's median over (b)'s, and ``fp8`` over ``raw`` three ways
 (medians, the median of the rounds' own ratios, and the engine's part alone), and node
@@ -232,6 +235,8 @@ class Bench(ModelBench):
         env = {} if args.gpu else CPU_ENV
 
         def server(name, codec=None, prefix_caching=False, layerwise=False):
+            # /reset_prefix_cache, to load one stored prefix again (--hits)
+            dev = {"VLLM_SERVER_DEV_MODE": "1"} if codec and args.hits > 1 else {}
             kv = (
                 connector(self.store.address, codec, args.transport, args.planner, layerwise)
                 if codec
@@ -246,7 +251,7 @@ class Bench(ModelBench):
                 prefix_caching=prefix_caching,
                 max_model_len=max_len,
                 server_args=server_args,
-                env=env,
+                env={**env, **dev},
             )
 
         self.servers["recompute"] = server("recompute")
@@ -321,16 +326,33 @@ class Bench(ModelBench):
                 prefix = self.tokens(length)
                 self.prefill_on_a(codec, prefix + self.tokens(SUFFIX))
                 progress.step(f"node A {codec} {length}")
-                record(f"kvstore_{codec}", f"b_{codec}", prefix + self.tokens(SUFFIX), length)
-                if codec == "fp8":  # (b) on this node too: each codec against its own node
-                    suffix = self.tokens(SUFFIX)
-                    record("vllm_prefix_cache_fp8_node", "b_fp8", prefix + suffix, length)
-                if codec == "raw":
-                    if self.args.layerwise_too:
+                for hit in range(self.args.hits):
+                    if hit:  # node B forgets the prefix: the next request loads it again
+                        self.forget(f"b_{codec}")
+                        if codec == "raw" and self.args.layerwise_too:
+                            self.forget("b_raw_layerwise")
+                    record(f"kvstore_{codec}", f"b_{codec}", prefix + self.tokens(SUFFIX), length)
+                    if codec == "fp8":  # (b) on this node too: each codec against its own node
                         suffix = self.tokens(SUFFIX)
-                        record("kvstore_raw_layerwise", "b_raw_layerwise", prefix + suffix, length)
-                    record("vllm_prefix_cache", "b_raw", prefix + self.tokens(SUFFIX), length)
+                        record("vllm_prefix_cache_fp8_node", "b_fp8", prefix + suffix, length)
+                    if codec == "raw":
+                        if self.args.layerwise_too:
+                            suffix = self.tokens(SUFFIX)
+                            layerwise = "kvstore_raw_layerwise"
+                            record(layerwise, "b_raw_layerwise", prefix + suffix, length)
+                        record("vllm_prefix_cache", "b_raw", prefix + self.tokens(SUFFIX), length)
+                if codec == "raw":  # once a round: its prefill is the round's longest part
                     record("recompute", "recompute", prefix + self.tokens(SUFFIX), 0)
+
+    def forget(self, server: str) -> None:
+        """Empty ``server``'s own prefix cache, so that its next request for a stored
+        prefix loads it from the store again. vLLM refuses while blocks are still held
+        (a finished request's are freed a moment after its last token): retried."""
+        deadline = time.monotonic() + 10.0
+        while not self.servers[server].reset_prefix_cache():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{server} would not reset its prefix cache in 10 s")
+            time.sleep(0.05)
 
     def split_engine(self, config: str, length: int, server: str, before: dict, ttft_s: float):
         """Where a request's TTFT went, from vLLM's own per-request histograms: ``queue``
@@ -444,10 +466,38 @@ def store_over_local(samples: dict, split: dict) -> dict:
     return out
 
 
+def first_and_repeat(samples: dict, hits: int) -> dict:
+    """With ``--hits`` above 1: per configuration measured ``hits`` times a round, the
+    median of each round's first sample (node B had never seen the prefix) and of the
+    others (its prefix cache emptied first), to show whether a load again of a prefix
+    stored moments ago (its bytes perhaps still in the CPU's caches) times differently."""
+    if hits < 2:
+        return {}
+    out: dict = {}
+    for config, by_length in samples.items():
+        for n, xs in by_length.items():
+            if config == "recompute" or len(xs) < hits:
+                continue
+            first = [x for j, x in enumerate(xs) if j % hits == 0]
+            again = [x for j, x in enumerate(xs) if j % hits]
+            out.setdefault(config, {})[str(n)] = {
+                "first": round(statistics.median(first), 1),
+                "repeat": round(statistics.median(again), 1),
+            }
+    return out
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--lengths", default=None, help="prefix lengths, comma-separated")
     p.add_argument("--requests", type=int, default=None, help="measured requests per point")
+    p.add_argument(
+        "--hits",
+        type=int,
+        default=1,
+        help="loads of each stored prefix on node B, its own cache emptied between them: "
+        "K samples of (b)-(d) per prefill on node A",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="built here when missing")
     p.add_argument("--gpu", action="store_true", help="vllm==0.33 on a GPU: bf16, block 16")
@@ -492,6 +542,8 @@ def main() -> None:
         if n % CHUNK_TOKENS:
             p.error(f"--lengths: {n} is not a multiple of the chunk size {CHUNK_TOKENS}")
     args.requests = args.requests or (3 if args.quick else 5)
+    if args.hits < 1:
+        p.error(f"--hits: must be at least 1, got {args.hits}")
     if args.server_args is None:
         args.server_args = (
             # five servers share the GPU: each takes a slice of its memory
@@ -519,8 +571,9 @@ def main() -> None:
             print(f"servers ready in {startup['all_ready_s']} s", flush=True)
             bench.warm_up()
             samples = {c: {n: [] for n in args.lengths} for c in configs(args)}
-            per_request = 2 + len(samples)  # node A twice, then each measured configuration
-            progress = Progress(len(args.lengths) * args.requests * per_request, "ttft")
+            # a round: node A twice, each B configuration --hits times, recompute once
+            per_round = 3 + args.hits * (len(samples) - 1)
+            progress = Progress(len(args.lengths) * args.requests * per_round, "ttft")
             for length in args.lengths:
                 bench.measure(length, samples, progress)
             progress.done()
@@ -539,7 +592,8 @@ def main() -> None:
         "quick": args.quick,
         "transport": args.transport,
         "settle_s": args.settle_s,
-        "requests_per_point": args.requests,
+        "requests_per_point": args.requests,  # rounds: new prefixes per length
+        "hits_per_prefix": args.hits,  # B's samples per round (recompute: one)
         "ttft_ms": {c: {n: round(ms, 1) for n, ms in v.items()} for c, v in median.items()},
         "ttft_p90_ms": {c: {n: round(ms, 1) for n, ms in v.items()} for c, v in p90.items()},
         "speedup_vs_recompute": {
@@ -558,7 +612,7 @@ def main() -> None:
         "connector_load_ms_per_request": {  # the connector's counters, load/fetch/decode
             c: {
                 str(n): {
-                    part: round(v[i] / args.requests, 2)
+                    part: round(v[i] / (args.requests * args.hits), 2)
                     for i, part in enumerate(("load", "fetch", "decode"))
                 }
                 for n, v in by_length.items()
@@ -576,6 +630,7 @@ def main() -> None:
             c: {str(n): [round(x, 1) for x in v] for n, v in s.items()} for c, s in samples.items()
         },
         "store_over_local": store_over_local(samples, bench.split),
+        "first_and_repeat_ms": first_and_repeat(samples, args.hits),
         "goal": {
             "kvstore_raw_over_recompute": {n: round(r, 3) for n, r in ratio.items()},
             "target": "<= 0.2 at 4096 tokens and longer",

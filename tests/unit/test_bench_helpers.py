@@ -7,7 +7,14 @@ import torch
 
 from benchmarks.accuracy import fp8_per_tensor
 from benchmarks.recall_task import Task, dense_batch, haystack_batch
-from benchmarks.ttft import LLAMA3_8B, SHAPE, percentile, shape_report, store_over_local
+from benchmarks.ttft import (
+    LLAMA3_8B,
+    SHAPE,
+    first_and_repeat,
+    percentile,
+    shape_report,
+    store_over_local,
+)
 
 TASK = Task()
 
@@ -108,3 +115,17 @@ def test_store_over_local_matches_each_codec_with_its_own_nodes_warm_cache():
     assert row["fp8_over_raw_node_matched"] == round((29 / 22) / (30 / 20), 3)
     # per round: (29/22)/(30/20) twice, then (58/29)/(50/40) = 1.6; the median is the first
     assert row["fp8_over_raw_node_matched_paired"] == round((29 / 22) / (30 / 20), 3)
+
+
+def test_first_and_repeat_splits_each_rounds_first_load_from_the_loads_again():
+    # two rounds of three hits each; recompute is measured once a round and left out
+    samples = {
+        "kvstore_raw": {4096: [40.0, 30.0, 31.0, 44.0, 29.0, 32.0]},
+        "vllm_prefix_cache": {4096: [20.0, 21.0, 22.0, 20.0, 23.0, 24.0]},
+        "recompute": {4096: [900.0, 950.0]},
+    }
+    out = first_and_repeat(samples, hits=3)
+    assert out["kvstore_raw"]["4096"] == {"first": 42.0, "repeat": 30.5}  # 40, 44; 29-32
+    assert out["vllm_prefix_cache"]["4096"] == {"first": 20.0, "repeat": 22.5}
+    assert "recompute" not in out
+    assert first_and_repeat(samples, hits=1) == {}  # one load a prefix: nothing to split
