@@ -7,7 +7,9 @@ in a file; ``wait_ready`` polls ``/health`` and raises with the log's tail if th
 process dies, or if what answers on its port is another process. ``ttft(prompt_ids)``
 streams one completion and returns the seconds to the first streamed token and the
 prompt tokens the server reports as cached (vLLM's prefix cache plus what a KV connector
-loaded). ``scrape(port)`` reads a server's ``/metrics``.
+loaded). ``reset_prefix_cache()`` empties vLLM's own prefix cache (a development
+endpoint: the server must run with ``VLLM_SERVER_DEV_MODE=1``). ``scrape(port)`` reads a
+server's ``/metrics``.
 """
 
 from __future__ import annotations

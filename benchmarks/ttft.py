@@ -1,6 +1,7 @@
 """Time to first token on node B for prompts whose long prefix node A already served.
 
-Usage: ``python benchmarks/ttft.py [--quick] [--lengths 1024,4096,16384] [--requests N]``.
+Usage: ``python benchmarks/ttft.py [--quick] [--lengths 1024,4096,16384] [--requests N]
+[--hits K]``.
 Writes ``benchmarks/results/ttft.json`` (also printed as the last line) and
 ``benchmarks/results/ttft.png``; server logs go to ``benchmarks/results/ttft-logs/``.
 
@@ -27,13 +28,14 @@ through shared memory; ``--transport tcp`` measures what a store on another node
 Every request is prefix + 16 fresh tokens; each measured prefix is new to the node
 it is measured on (except in (b), on purpose): with ``--hits K`` each stored prefix is
 loaded K times, node B's own prefix cache emptied (vLLM's ``/reset_prefix_cache``, a
-development endpoint, so the B servers run with ``VLLM_SERVER_DEV_MODE=1``) before each
-load after the first, so one prefill on node A gives K samples of (b)-(d). The tokens
+development endpoint, so ``b_raw`` and ``b_fp8`` run with ``VLLM_SERVER_DEV_MODE=1``) before
+each load after the first, so one prefill on node A gives K samples of (b)-(d). The tokens
 the server reports cached are checked: 0 for (a), the whole prefix for (b)-(d). TTFT is
 measured by a streaming client from the request to the first streamed token. Each round measures
-(c) and (d) back to back, in alternating order; ``store_over_local`` in the JSON holds
+(c) and (d) one after the other, in alternating order; ``store_over_local`` in the JSON holds
 issue 13's ratios: each codec's median over (b)'s, and ``fp8`` over ``raw`` three ways
-(medians, the median of the rounds' own ratios, and the engine's part alone), and node
+(medians, the median of the rounds' own ratios (with ``--hits``, of each round's k-th
+loads), and the engine's part alone), and node
 matched: each codec over its own node's warm cache, ``fp8``'s over ``raw``'s.
 
 The model is a tiny Llama with random weights, built here, with Llama-3-8B's
@@ -235,8 +237,8 @@ class Bench(ModelBench):
         env = {} if args.gpu else CPU_ENV
 
         def server(name, codec=None, prefix_caching=False, layerwise=False):
-            # /reset_prefix_cache, to load one stored prefix again (--hits)
-            dev = {"VLLM_SERVER_DEV_MODE": "1"} if codec and args.hits > 1 else {}
+            # /reset_prefix_cache, for node B to load one stored prefix again (--hits)
+            dev = {"VLLM_SERVER_DEV_MODE": "1"} if prefix_caching and args.hits > 1 else {}
             kv = (
                 connector(self.store.address, codec, args.transport, args.planner, layerwise)
                 if codec
@@ -327,10 +329,10 @@ class Bench(ModelBench):
                 self.prefill_on_a(codec, prefix + self.tokens(SUFFIX))
                 progress.step(f"node A {codec} {length}")
                 for hit in range(self.args.hits):
-                    if hit:  # node B forgets the prefix: the next request loads it again
+                    # node B forgets the prefix: the next request loads it again (the
+                    # layer-wise server has no prefix cache: it loads every time)
+                    if hit:
                         self.forget(f"b_{codec}")
-                        if codec == "raw" and self.args.layerwise_too:
-                            self.forget("b_raw_layerwise")
                     record(f"kvstore_{codec}", f"b_{codec}", prefix + self.tokens(SUFFIX), length)
                     if codec == "fp8":  # (b) on this node too: each codec against its own node
                         suffix = self.tokens(SUFFIX)
@@ -430,9 +432,10 @@ def plot(result: dict, path: Path) -> None:
 def store_over_local(samples: dict, split: dict) -> dict:
     """Issue 13's ratios, per prefix length: a store hit's median TTFT over vLLM's own warm
     prefix cache, per codec; ``fp8`` over ``raw`` from the medians, and as the median of
-    the rounds' own ratios (both codecs measured back to back in each round); and ``fp8``
-    over ``raw`` for the engine's part alone (``prefill``: schedule to first token, which
-    holds the lookup, the load and the forward), without the HTTP front end. Where the fp8
+    the rounds' own ratios (both codecs measured in each round; with ``--hits``, each
+    round's k-th loads paired); and ``fp8`` over ``raw`` for the engine's part alone
+    (``prefill``: schedule to first token, which holds the lookup, the load and the
+    forward), without the HTTP front end. Where the fp8
     node's own warm cache was measured too: ``fp8`` over it, ``local_fp8_node_over_local``
     (the two nodes' own hits: what the nodes differ by, codec aside), and ``fp8`` over
     ``raw`` node matched (each over its own node's warm cache; medians, and the median of
@@ -469,8 +472,9 @@ def store_over_local(samples: dict, split: dict) -> dict:
 def first_and_repeat(samples: dict, hits: int) -> dict:
     """With ``--hits`` above 1: per configuration measured ``hits`` times a round, the
     median of each round's first sample (node B had never seen the prefix) and of the
-    others (its prefix cache emptied first), to show whether a load again of a prefix
-    stored moments ago (its bytes perhaps still in the CPU's caches) times differently."""
+    others (its prefix cache emptied first), to show whether a load again times
+    differently: its bytes may still be in the CPU's caches, and vLLM allocates its
+    blocks from a pool just emptied instead of evicting the last round's cached blocks."""
     if hits < 2:
         return {}
     out: dict = {}

@@ -122,7 +122,7 @@ def test_first_and_repeat_splits_each_rounds_first_load_from_the_loads_again():
     samples = {
         "kvstore_raw": {4096: [40.0, 30.0, 31.0, 44.0, 29.0, 32.0]},
         "vllm_prefix_cache": {4096: [20.0, 21.0, 22.0, 20.0, 23.0, 24.0]},
-        "recompute": {4096: [900.0, 950.0]},
+        "recompute": {4096: [900.0, 950.0, 990.0, 1000.0]},  # once a round: never split
     }
     out = first_and_repeat(samples, hits=3)
     assert out["kvstore_raw"]["4096"] == {"first": 42.0, "repeat": 30.5}  # 40, 44; 29-32
