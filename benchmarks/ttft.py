@@ -31,12 +31,12 @@ loaded K times, node B's own prefix cache emptied (vLLM's ``/reset_prefix_cache`
 development endpoint, so ``b_raw`` and ``b_fp8`` run with ``VLLM_SERVER_DEV_MODE=1``) before
 each load after the first, so one prefill on node A gives K samples of (b)-(d). The tokens
 the server reports cached are checked: 0 for (a), the whole prefix for (b)-(d). TTFT is
-measured by a streaming client from the request to the first streamed token. Each round measures
-(c) and (d) one after the other, in alternating order; ``store_over_local`` in the JSON holds
-issue 13's ratios: each codec's median over (b)'s, and ``fp8`` over ``raw`` three ways
-(medians, the median of the rounds' own ratios (with ``--hits``, of each round's k-th
-loads), and the engine's part alone), and node
-matched: each codec over its own node's warm cache, ``fp8``'s over ``raw``'s.
+measured by a streaming client from the request to the first streamed token. Each
+round measures (c) and (d) one after the other, in alternating order; ``store_over_local``
+in the JSON holds issue 13's ratios: each codec's median over (b)'s; ``fp8`` over ``raw``
+three ways: medians, the median of the rounds' own ratios (with ``--hits``, each round's
+k-th loads paired) and the engine's part alone; and node matched: each codec over its
+own node's warm cache, ``fp8``'s over ``raw``'s.
 
 The model is a tiny Llama with random weights, built here, with Llama-3-8B's
 compute-to-KV ratio: see ``SHAPE`` and ``shape_report``. On a GPU host (vllm==0.33)
@@ -435,11 +435,10 @@ def store_over_local(samples: dict, split: dict) -> dict:
     the rounds' own ratios (both codecs measured in each round; with ``--hits``, each
     round's k-th loads paired); and ``fp8`` over ``raw`` for the engine's part alone
     (``prefill``: schedule to first token, which holds the lookup, the load and the
-    forward), without the HTTP front end. Where the fp8
-    node's own warm cache was measured too: ``fp8`` over it, ``local_fp8_node_over_local``
-    (the two nodes' own hits: what the nodes differ by, codec aside), and ``fp8`` over
-    ``raw`` node matched (each over its own node's warm cache; medians, and the median of
-    the rounds' own ratios)."""
+    forward), without the HTTP front end. Where the fp8 node's own warm cache was measured
+    too: ``fp8`` over it, ``local_fp8_node_over_local`` (the two nodes' own hits: what the
+    nodes differ by, codec aside), and ``fp8`` over ``raw`` node matched (each over its own
+    node's warm cache; medians, and the median of the rounds' own ratios)."""
     med = statistics.median
     out: dict = {}
     for n, local in samples["vllm_prefix_cache"].items():
